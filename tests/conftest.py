@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny randomly initialised decoder models built in-process (no downloads)."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def tiny_model(family: str = "llama", seed: int = 0) -> torch.nn.Module:
+    """A 4-layer, d=64 causal LM of the given family with random weights."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    torch.manual_seed(seed)
+    if family == "llama":
+        config = LlamaConfig(**TINY)
+    elif family == "qwen3":
+        config = Qwen3Config(**TINY, head_dim=16)
+    else:
+        raise ValueError(family)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def tiny(request) -> torch.nn.Module:
+    return tiny_model(request.param)
+
+
+@pytest.fixture
+def tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    """A padded batch: (input_ids (2, 12), attention_mask (2, 12)), row 1 left-padded by 3."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, TINY["vocab_size"], (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    return ids, mask

@@ -1,0 +1,64 @@
+import pytest
+import torch
+from torch import nn
+
+from atlas_core.backbone import decoder_layers, hidden_at_layer, run_from_layer
+
+
+def test_decoder_layers_found(tiny):
+    layers = decoder_layers(tiny)
+    assert len(layers) == 4 and isinstance(layers, nn.ModuleList)
+
+
+def test_unrecognised_stack_is_a_clear_error():
+    class NoStack(nn.Module):
+        config = type("C", (), {"num_hidden_layers": 3})()
+
+        def __init__(self):
+            super().__init__()
+            self.blocks_of_something = nn.ModuleList([nn.Linear(2, 2)])
+
+    with pytest.raises(ValueError, match="no decoder layer stack found.*blocks_of_something"):
+        decoder_layers(NoStack())
+
+
+@pytest.mark.parametrize("layer", [0, 2, 3])
+def test_hidden_at_layer_matches_full_forward(tiny, tokens, layer):
+    ids, mask = tokens
+    full = tiny(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    h = hidden_at_layer(tiny, layer, ids, mask)
+    # hidden_states[0] is the embedding output; the last entry is after the final norm
+    expected = full.hidden_states[layer + 1] if layer + 1 < len(full.hidden_states) - 1 else None
+    if expected is not None:
+        torch.testing.assert_close(h, expected, rtol=0, atol=0)
+    torch.testing.assert_close(run_from_layer(tiny, layer, h, ids, mask), full.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_hidden_at_layer_stops_early(tiny, tokens):
+    ids, mask = tokens
+    ran = []
+    handles = [m.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, m in enumerate(decoder_layers(tiny))]
+    head = tiny.get_output_embeddings().register_forward_hook(lambda *a: ran.append("head"))
+    hidden_at_layer(tiny, 1, ids, mask)
+    for h in handles + [head]:
+        h.remove()
+    assert ran == [0, 1]
+
+
+def test_run_from_layer_skips_lower_layers_and_restores_them(tiny, tokens):
+    ids, mask = tokens
+    layers = decoder_layers(tiny)
+    originals = list(layers)
+    ran = []
+    handles = [m.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, m in enumerate(layers)]
+    h = torch.randn(2, 12, 64)
+    run_from_layer(tiny, 1, h, ids, mask)
+    for hd in handles:
+        hd.remove()
+    assert ran == [2, 3]
+    assert list(layers) == originals
+
+
+def test_bad_layer_index(tiny, tokens):
+    with pytest.raises(ValueError, match="layer: expected 0 <= layer < 4"):
+        hidden_at_layer(tiny, 4, *tokens)
