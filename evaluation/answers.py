@@ -1,0 +1,123 @@
+"""Final answers: extraction from GSM8K-style completions, numeric normalisation, JSONL storage.
+
+Extraction order (first that yields a number wins):
+  1. the text after the last "####"           (GSM8K reference format)
+  2. the text after the last "answer is"      ("The answer is 42.", "the final answer is $1,200")
+  3. the last number anywhere in the completion
+Numbers are normalised so that equal values compare equal as strings: commas, "$", "%" and
+spaces go, "5.0" -> "5", "0.50" -> "0.5", ".5" -> "0.5", "-$3" -> "-3". A minus counts as a
+sign only when it does not follow a digit or letter, so "5-3=2" ends in 2, not -3.
+
+Per-question answers are stored as JSONL, one object per question keyed by id:
+    {"id": "gsm8k-test-0", "answer": "18", "correct": true, "raw": "... completion ..."}
+`answer` is null when nothing could be extracted; `raw` is optional.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+from atlas_core.io import atomic_write_bytes
+
+_NUMBER = re.compile(
+    r"(?<![\w.])(?P<neg>[-−]\s?)?\$?\s?(?P<neg2>-)?"
+    r"(?P<num>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+)
+_ANSWER_IS = re.compile(r"answer\s+is\b", re.IGNORECASE)
+
+
+def normalize_number(text: str) -> str | None:
+    """Canonical string of the first number in `text` (None if there is none)."""
+    match = _NUMBER.search(text)
+    return _canonical(match) if match else None
+
+
+def _canonical(match: re.Match[str]) -> str | None:
+    try:
+        value = Decimal(match.group("num").replace(",", ""))
+    except InvalidOperation:
+        return None
+    if match.group("neg") or match.group("neg2"):
+        value = -value
+    if value == value.to_integral_value():
+        return str(int(value))
+    return format(value.normalize(), "f")
+
+
+def extract_gsm8k_answer(completion: str) -> str | None:
+    """The normalised final answer of a GSM8K-style completion, or None."""
+    hashes = completion.rfind("####")
+    if hashes >= 0:
+        found = normalize_number(completion[hashes + 4 :])
+        if found is not None:
+            return found
+    answer_is = list(_ANSWER_IS.finditer(completion))
+    if answer_is:
+        found = normalize_number(completion[answer_is[-1].end() :])
+        if found is not None:
+            return found
+    numbers = list(_NUMBER.finditer(completion))
+    return _canonical(numbers[-1]) if numbers else None
+
+
+@dataclass(frozen=True)
+class Answer:
+    id: str
+    answer: str | None
+    correct: bool
+    raw: str | None = None
+
+
+def score_gsm8k(ids: Sequence[str], completions: Sequence[str], references: Sequence[str]) -> list[Answer]:
+    """Extract and grade: `references` are reference final answers (e.g. the `final` column)."""
+    if not len(ids) == len(completions) == len(references):
+        raise ValueError(f"lengths differ: {len(ids)} ids, {len(completions)} completions, {len(references)} references")
+    out = []
+    for qid, completion, reference in zip(ids, completions, references):
+        predicted = extract_gsm8k_answer(completion)
+        gold = normalize_number(reference)
+        out.append(Answer(qid, predicted, predicted is not None and predicted == gold, completion))
+    return out
+
+
+def write_answers(path: str | Path, answers: Iterable[Answer], keep_raw: bool = True) -> None:
+    """Write answers as JSONL (atomically); ids must be unique."""
+    lines, seen = [], set()
+    for a in answers:
+        if a.id in seen:
+            raise ValueError(f"{path}: duplicate answer id {a.id!r}")
+        seen.add(a.id)
+        row = asdict(a)
+        if not keep_raw or a.raw is None:
+            row.pop("raw")
+        lines.append(json.dumps(row, ensure_ascii=False))
+    atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
+
+
+def read_answers(path: str | Path) -> dict[str, Answer]:
+    """Read an answers JSONL file into {id: Answer}, with errors naming file, line and field."""
+    out: dict[str, Answer] = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}: line {lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object")
+            for name, kinds in (("id", (str,)), ("answer", (str, type(None))), ("correct", (bool,))):
+                if name not in row:
+                    raise ValueError(f"{where}: field '{name}' is missing")
+                if not isinstance(row[name], kinds):
+                    raise ValueError(f"{where}: field '{name}' has type {type(row[name]).__name__}")
+            if row["id"] in out:
+                raise ValueError(f"{where}: field 'id' {row['id']!r} appears twice")
+            out[row["id"]] = Answer(row["id"], row["answer"], row["correct"], row.get("raw"))
+    return out
