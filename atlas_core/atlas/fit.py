@@ -73,7 +73,8 @@ def local_pca(members: torch.Tensor, center: torch.Tensor, m: int, generator: to
     gram = offsets @ offsets.T  # (n, n)
     evals, evecs = torch.linalg.eigh(gram)  # ascending
     evals, evecs = evals.flip(0)[:m], evecs.flip(1)[:, :m]
-    keep = evals > evals.max().clamp_min(1e-30) * 1e-10 if len(evals) else evals.bool()
+    # Eigenvalues below fp32 round-off of the largest are noise, not directions.
+    keep = evals > evals.max().clamp_min(1e-30) * 1e-5 if len(evals) else evals.bool()
     sigma = torch.zeros(m, dtype=members.dtype)
     sigma[: int(keep.sum())] = evals[keep].sqrt()
     basis = offsets.T @ evecs[:, keep] / sigma[: int(keep.sum())]  # (d, rank) orthonormal

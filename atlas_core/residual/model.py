@@ -40,7 +40,8 @@ class Attachment:
         param = next(model.parameters())
         residual.to(param.device)
         self.model, self.residual = model, residual
-        self._handle = layers[residual.config.layer].register_forward_hook(self._hook)
+        # prepend: run before hooks that record layer outputs (transformers' output_hidden_states)
+        self._handle = layers[residual.config.layer].register_forward_hook(self._hook, prepend=True)
 
     def _hook(self, _module, _args, output):
         h = layer_output(output)
