@@ -1,0 +1,149 @@
+"""Retained-output KL: how far a model's next-token distributions moved on retained contexts.
+
+KL(p_ref || p_model) over the full vocabulary at every non-padding position of shared
+teacher-forced contexts (prompt + reference answer: identical tokens for every model),
+averaged over positions (spec section 5).
+
+What is fixed is computed once per context set and reused for every checkpoint:
+- the frozen prefix: layer-l hidden states (layers 0..l never run again), and
+- the reference: its final pre-head hidden states (d numbers a position instead of V
+  probabilities; its logits are one LM-head GEMM away, so no reference layer runs again).
+A checkpoint then costs layers l+1..L plus two LM-head GEMMs per position, instead of two
+full forwards. Memory: positions x d x (2 bytes in bf16, 4 in fp32) for each of the two
+caches, e.g. 512 contexts x 300 tokens x 576 x 4 B = 354 MB each for SmolLM2 in fp32.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from atlas_core.backbone import hidden_at_layer, run_from_layer
+from atlas_core.residual import AtlasResidual
+
+
+@dataclass
+class KLResult:
+    mean: float  # nats per position, averaged over all non-padding positions
+    per_context: list[float]  # mean KL of each context, in the caller's order
+    positions: int
+
+
+def head_logits(model: torch.nn.Module, final_hidden: torch.Tensor) -> torch.Tensor:
+    """Logits from final (post-norm) hidden states, as the model's own forward computes them."""
+    logits = model.get_output_embeddings()(final_hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2 squashes its logits
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def kl_per_position(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(p_ref || p) (..., ) in fp32 over the last (vocabulary) dimension."""
+    ref_logp = F.log_softmax(ref_logits.float(), dim=-1)
+    return F.kl_div(F.log_softmax(logits.float(), dim=-1), ref_logp, log_target=True, reduction="none").sum(-1)
+
+
+class _FinalHidden:
+    """Captures the LM head's input during a forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.value: torch.Tensor | None = None
+        self._handle = model.get_output_embeddings().register_forward_pre_hook(self._grab)
+
+    def _grab(self, _module, args):
+        self.value = args[0]
+
+    def __enter__(self) -> "_FinalHidden":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
+
+
+class RetainedKL:
+    """KL of adapted checkpoints against a reference on one fixed set of contexts.
+
+    `layer` is where the frozen prefix ends: a residual must sit at this layer; a change
+    inside layer l (Weight-LoRA on its o_proj) needs the prefix to end at l - 1.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer, contexts: Sequence[str], layer: int,
+                 batch_size: int = 4, max_length: int = 1024, progress: bool = True):
+        if not contexts:
+            raise ValueError("contexts: expected at least one retained context")
+        self.model, self.layer, self.progress = model, layer, progress
+        enc = tokenizer(list(contexts), add_special_tokens=False, truncation=True, max_length=max_length)
+        lengths = torch.tensor([len(ids) for ids in enc["input_ids"]])
+        if (lengths == 0).any():
+            raise ValueError(f"contexts: context {int((lengths == 0).nonzero()[0])} is empty after tokenisation")
+        order = torch.argsort(lengths, descending=True, stable=True)  # similar lengths share a batch: little padding
+        self.order = order
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for start in range(0, len(order), batch_size):
+            rows = [enc["input_ids"][int(i)] for i in order[start : start + batch_size]]
+            width = max(len(r) for r in rows)
+            # Right padding: real tokens keep positions 0..n-1 whatever their batch.
+            ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+            self.batches.append((ids, mask))
+        self._prefix: list[torch.Tensor] | None = None
+        self.positions = int(lengths.sum())
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def prefix(self) -> list[torch.Tensor]:
+        """Layer-l hidden states of every batch, computed on first use (layers 0..l only)."""
+        if self._prefix is None:
+            dev = self._device()
+            self._prefix = [hidden_at_layer(self.model, self.layer, ids.to(dev), mask.to(dev))
+                            for ids, mask in tqdm(self.batches, desc="KL prefix cache", disable=not self.progress)]
+        return self._prefix
+
+    def cache_bytes(self) -> int:
+        """Memory held by the prefix cache (the reference cache holds the same again)."""
+        return sum(h.numel() * h.element_size() for h in self._prefix or [])
+
+    @torch.no_grad()
+    def _upper(self, i: int, residual: AtlasResidual | None) -> torch.Tensor:
+        """Logits of batch i with `residual` (or none) at the prefix layer."""
+        h = self.prefix()[i]
+        if residual is not None:
+            if residual.config.layer != self.layer:
+                raise ValueError(f"residual: sits at layer {residual.config.layer}, the prefix cache ends at {self.layer}")
+            h = h + residual(h)
+        ids, mask = self.batches[i]
+        dev = self._device()
+        return run_from_layer(self.model, self.layer, h, ids.to(dev), mask.to(dev))
+
+    @torch.no_grad()
+    def reference(self, residual: AtlasResidual | None = None) -> list[torch.Tensor]:
+        """The reference's final hidden states per batch: the base model, or a released
+        version given by its residual."""
+        out = []
+        for i in tqdm(range(len(self.batches)), desc="KL reference", disable=not self.progress):
+            with _FinalHidden(self.model) as final:
+                self._upper(i, residual)
+            out.append(final.value)
+        return out
+
+    @torch.no_grad()
+    def kl(self, reference: list[torch.Tensor], residual: AtlasResidual | None = None) -> KLResult:
+        """Mean KL(p_ref || p_model) where the model is the backbone with `residual` attached
+        at the prefix layer (None: the backbone as it is, e.g. with LoRA injected above)."""
+        if len(reference) != len(self.batches):
+            raise ValueError(f"reference: expected {len(self.batches)} batches, got {len(reference)}")
+        per_context = torch.zeros(len(self.order))
+        total, row = 0.0, 0
+        for i in tqdm(range(len(self.batches)), desc="KL", disable=not self.progress):
+            _, mask = self.batches[i]
+            logits = self._upper(i, residual)
+            kl = kl_per_position(head_logits(self.model, reference[i]), logits).cpu() * mask  # (B, T)
+            total += float(kl.sum())
+            per_context[self.order[row : row + len(mask)]] = kl.sum(1) / mask.sum(1)
+            row += len(mask)
+        return KLResult(mean=total / self.positions, per_context=per_context.tolist(), positions=self.positions)
