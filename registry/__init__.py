@@ -1,0 +1,116 @@
+"""The release ledger, the verified artifact store and the MLflow bridge.
+
+Depends on nothing else in the project: callers pass plain records (dataclasses, paths,
+floats). The ledger (SQLite file or PostgreSQL URL) is the source of truth; MLflow mirrors it.
+
+Public API (all functions take the `Ledger` returned by `init_db` first):
+
+Database        init_db(url) -> Ledger; upgrade(url, revision="head"); downgrade(url, revision);
+                default_ledger_url(state_dir) -> str
+Artifacts       ArtifactStore(root).put_file(path) / put_bytes(data) -> StoredArtifact(sha256, size, uri);
+                .read_bytes(sha) / .fetch(sha, dest) / .verify(sha) / .local_path(sha);
+                errors: ArtifactError > ArtifactMissingError, ArtifactCorruptedError (.path, .expected_sha256)
+Lineage         ensure_backbone(ledger, name, revision) -> id; ensure_dataset(ledger, name, split, sha256) -> id;
+                find_atlas(ledger, content_hash); record_atlas(ledger, content_hash, backbone_id, layer, config,
+                artifact, dataset_ids) -> AtlasInfo; start_training_run(ledger, backbone_id, skill, method, seed,
+                config, atlas_id=, dataset_id=, flow_run_id=) -> id; finish_training_run(ledger, id, status);
+                record_checkpoint(ledger, run_id, epoch, step, adapter, metrics) -> CheckpointInfo;
+                last_checkpoint(ledger, run_id); ensure_model(ledger, backbone_id, skill) -> ModelInfo;
+                get_model(ledger, id_or_name); register_version(ledger, checkpoint_id) -> VersionInfo;
+                base_version(ledger, model_id) -> VersionInfo; get_version; list_versions
+Results         record_evaluation(ledger, EvaluationRecord) -> id; latest_evaluation(ledger, version_id);
+                record_answers(ledger, version_id, [AnswerRecord]) -> n; get_answers(ledger, version_id);
+                record_gate_decision(ledger, version_id, policy_name, policy, [GateCheckRecord],
+                evaluation_id=, release_version_id=, flow_run_id=) -> GateDecisionInfo; latest_gate_decision
+MLflow          MlflowConfig.local(state_dir) / .server(url, artifact_root); MlflowBridge(config);
+                ensure_mlflow_run(ledger, bridge, training_run_id) -> run_id; log_checkpoint(ledger, bridge,
+                checkpoint_id); publish_version(ledger, store, bridge, version_id) -> mlflow version;
+                sync_version_tags(ledger, bridge, version_id)
+Releases        promote(ledger, bridge, version_id, alias="champion", reason=, flow_run_id=,
+                expected_current=FROM_GATE, require_gate=True) -> ReleaseInfo; mark_candidate(...);
+                rollback(ledger, bridge, model_id, reason) -> ReleaseInfo; repair(ledger, bridge) -> changes;
+                alias_holder(ledger, model_id, alias); list_releases(ledger, model_id);
+                errors: PromotionError > PromotionConflict, GateNotPassed, RollbackError
+Comparison      compare_versions(ledger, a_id, b_id) -> Comparison (.to_table(), .to_markdown(), .to_json(),
+                .write(folder), .log_to_mlflow(bridge, run_id)); answer_churn(a, b);
+                release_history(ledger, model_id) -> [HistoryRow]; format_history(rows, markdown=False)
+"""
+from registry.compare import (
+    ChurnRow,
+    Comparison,
+    Flip,
+    HistoryRow,
+    MetricRow,
+    answer_churn,
+    compare_versions,
+    format_history,
+    release_history,
+)
+from registry.db import Ledger, LedgerError, default_ledger_url, downgrade, init_db, upgrade
+from registry.lineage import (
+    base_version,
+    ensure_backbone,
+    ensure_dataset,
+    ensure_model,
+    find_atlas,
+    finish_training_run,
+    get_model,
+    get_version,
+    last_checkpoint,
+    link_mlflow_run,
+    list_versions,
+    model_name_for,
+    record_atlas,
+    record_checkpoint,
+    register_version,
+    start_training_run,
+)
+from registry.mlflow_bridge import MANAGED_ALIASES, MlflowBridge, MlflowConfig
+from registry.promotion import (
+    ANY_HOLDER,
+    FROM_GATE,
+    GateNotPassed,
+    PromotionConflict,
+    PromotionError,
+    RollbackError,
+    alias_holder,
+    list_releases,
+    mark_candidate,
+    promote,
+    repair,
+    rollback,
+)
+from registry.publish import ensure_mlflow_run, log_checkpoint, publish_version, sync_version_tags, version_tags
+from registry.records import (
+    AnswerRecord,
+    AtlasInfo,
+    CheckpointInfo,
+    ChurnCounts,
+    DomainKL,
+    EvaluationInfo,
+    EvaluationRecord,
+    GateCheckRecord,
+    GateDecisionInfo,
+    ModelInfo,
+    ReleaseInfo,
+    VersionInfo,
+)
+from registry.results import (
+    get_answers,
+    latest_evaluation,
+    latest_gate_decision,
+    record_answers,
+    record_evaluation,
+    record_gate_decision,
+)
+from registry.store import (
+    ArtifactCorruptedError,
+    ArtifactError,
+    ArtifactMissingError,
+    ArtifactStore,
+    StoredArtifact,
+    atomic_write_text,
+    sha256_file,
+)
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,174 @@
+"""The MLflow side: experiments, runs, registered model versions and aliases.
+
+Everything goes through one `MlflowClient` built from an explicit `MlflowConfig`; nothing
+touches MLflow's process-global state, because its defaults depend on the working
+directory. An experiment is made per (backbone, skill) and a registered model per
+(backbone, skill); the ledger decides what MLflow shows (see `promotion.repair`).
+"""
+from __future__ import annotations
+
+import os
+
+# Before the first mlflow import: no usage reports from inside a training platform.
+os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+
+MANAGED_ALIASES = ("champion", "candidate")
+_MAX_PARAM_LEN = 6000  # MLflow's limit is 6000 characters per param value
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    """Where MLflow keeps runs (tracking_uri), model registry and artifacts."""
+
+    tracking_uri: str
+    artifact_root: str
+    registry_uri: Optional[str] = None
+
+    @classmethod
+    def local(cls, state_dir: str | Path) -> "MlflowConfig":
+        """The embedded default: a SQLite file and an artifact folder under the state folder."""
+        root = Path(state_dir).expanduser().resolve() / "mlflow"
+        root.mkdir(parents=True, exist_ok=True)
+        return cls(f"sqlite:///{root / 'mlflow.db'}", str(root / "artifacts"))
+
+    @classmethod
+    def server(cls, url: str, artifact_root: str = "mlflow-artifacts:/atlas") -> "MlflowConfig":
+        """A team's MLflow server; artifacts go through its proxy unless a store URL is given."""
+        return cls(url, artifact_root)
+
+
+def experiment_name(backbone: str, skill: str) -> str:
+    return f"{backbone} / {skill}"
+
+
+class MlflowBridge:
+    """Thin, explicit wrapper over `MlflowClient` with the platform's naming rules."""
+
+    def __init__(self, config: MlflowConfig) -> None:
+        self.config = config
+        self.client = MlflowClient(tracking_uri=config.tracking_uri,
+                                   registry_uri=config.registry_uri or config.tracking_uri)
+
+    # -- experiments and runs ---------------------------------------------------------
+    def experiment_id(self, backbone: str, skill: str) -> str:
+        """The (backbone, skill) experiment, created with an explicit artifact location."""
+        name = experiment_name(backbone, skill)
+        existing = self.client.get_experiment_by_name(name)
+        if existing is not None:
+            return existing.experiment_id
+        folder = f"{backbone.replace('/', '--')}.{skill}"
+        location = f"{self.config.artifact_root.rstrip('/')}/{folder}"
+        try:
+            return self.client.create_experiment(name, artifact_location=location)
+        except MlflowException:
+            # Another process created it between our lookup and our create.
+            existing = self.client.get_experiment_by_name(name)
+            if existing is None:
+                raise
+            return existing.experiment_id
+
+    def start_run(self, backbone: str, skill: str, run_name: str, params: dict[str, Any],
+                  tags: Optional[dict[str, str]] = None) -> str:
+        run = self.client.create_run(self.experiment_id(backbone, skill), run_name=run_name,
+                                     tags={"backbone": backbone, "skill": skill, **(tags or {})})
+        self.log_params(run.info.run_id, params)
+        return run.info.run_id
+
+    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        items = [Param(str(k), str(v)[:_MAX_PARAM_LEN]) for k, v in sorted(params.items())]
+        for i in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
+            self.client.log_batch(run_id, params=items[i:i + 100])
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int) -> None:
+        """Metrics of one checkpoint, indexed by training step."""
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, int(step)) for k, v in sorted(metrics.items())]
+        for i in range(0, len(items), 1000):
+            self.client.log_batch(run_id, metrics=items[i:i + 1000])
+
+    def set_run_tags(self, run_id: str, tags: dict[str, str]) -> None:
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_file(self, run_id: str, path: str | Path, artifact_path: Optional[str] = None) -> None:
+        self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def log_folder(self, run_id: str, folder: str | Path, artifact_path: str) -> None:
+        self.client.log_artifacts(run_id, str(folder), artifact_path)
+
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        self.client.log_text(run_id, text, artifact_file)
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status)
+
+    def run_artifact_uri(self, run_id: str) -> str:
+        return self.client.get_run(run_id).info.artifact_uri
+
+    # -- registered models, versions, aliases ------------------------------------------
+    def ensure_registered_model(self, name: str, description: str = "") -> None:
+        try:
+            self.client.get_registered_model(name)
+        except MlflowException:
+            try:
+                self.client.create_registered_model(name, description=description)
+            except MlflowException:
+                self.client.get_registered_model(name)  # created concurrently: fine
+
+    def create_version(self, model_name: str, run_id: str, artifact_path: str,
+                       tags: dict[str, str], description: str) -> str:
+        """A model version whose files are the run's artifacts under `artifact_path`."""
+        source = f"{self.run_artifact_uri(run_id)}/{artifact_path}"
+        version = self.client.create_model_version(model_name, source=source, run_id=run_id,
+                                                   tags={k: str(v) for k, v in tags.items()},
+                                                   description=description)
+        return str(version.version)
+
+    def find_version(self, model_name: str, tag: str, value: str) -> Optional[str]:
+        """The version of `model_name` carrying tag=value (used to avoid duplicate versions)."""
+        for version in self.client.search_model_versions(f"name = '{model_name}'"):
+            if version.tags.get(tag) == value:
+                return str(version.version)
+        return None
+
+    def set_version_tags(self, model_name: str, version: str, tags: dict[str, str]) -> None:
+        for key, value in tags.items():
+            self.client.set_model_version_tag(model_name, version, key, str(value))
+
+    def version_tags(self, model_name: str, version: str) -> dict[str, str]:
+        return dict(self.client.get_model_version(model_name, version).tags)
+
+    def aliases(self, model_name: str) -> dict[str, str]:
+        """alias -> version for a registered model ({} when the model does not exist)."""
+        try:
+            model = self.client.get_registered_model(model_name)
+        except MlflowException:
+            return {}
+        return {alias: str(version) for alias, version in model.aliases.items()}
+
+    def set_alias(self, model_name: str, alias: str, version: str) -> None:
+        self.client.set_registered_model_alias(model_name, alias, version)
+
+    def delete_alias(self, model_name: str, alias: str) -> None:
+        self.client.delete_registered_model_alias(model_name, alias)
+
+    def download_version(self, model_name: str, alias_or_version: str, destination: str | Path) -> Path:
+        """Download the files of a version (given by alias or number) to a local folder."""
+        import mlflow.artifacts
+
+        if alias_or_version.isdigit():
+            version = alias_or_version
+        else:
+            version = self.client.get_model_version_by_alias(model_name, alias_or_version).version
+        uri = self.client.get_model_version_download_uri(model_name, str(version))
+        path = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(destination),
+                                                   tracking_uri=self.config.tracking_uri)
+        return Path(path)

@@ -1,0 +1,131 @@
+"""Mirroring ledger records into MLflow: runs, checkpoint metrics, model versions, tags.
+
+Each function is safe to call again after a crash: it looks for what a previous attempt
+already created in MLflow (by the `ledger.*` tags) before creating anything.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from registry.db import Ledger, LedgerError
+from registry.lineage import get_version, link_mlflow_run, require_row, set_mlflow_version, short_backbone
+from registry.mlflow_bridge import MlflowBridge
+from registry.models import Atlas, Backbone, Checkpoint, TrainingRun
+from registry.results import get_answers, latest_gate_decision
+from registry.store import ArtifactStore, atomic_write_text
+
+RUN_TAG = "ledger.training_run_id"
+VERSION_TAG = "ledger.version_id"
+
+
+def ensure_mlflow_run(ledger: Ledger, bridge: MlflowBridge, training_run_id: int) -> str:
+    """The MLflow run mirroring a training run, created (with its params) on first use."""
+    with ledger.transaction() as s:
+        run = require_row(s, TrainingRun, training_run_id, "training run")
+        backbone = s.get(Backbone, run.backbone_id)
+        atlas = s.get(Atlas, run.atlas_id) if run.atlas_id is not None else None
+        if run.mlflow_run_id:
+            return run.mlflow_run_id
+        facts = dict(backbone=backbone.name, revision=backbone.revision, skill=run.skill,
+                     method=run.method, seed=run.seed, config=dict(run.config))
+    experiment = bridge.experiment_id(facts["backbone"], facts["skill"])
+    found = bridge.client.search_runs([experiment], filter_string=f"tags.`{RUN_TAG}` = '{training_run_id}'")
+    if found:
+        run_id = found[0].info.run_id
+    else:
+        params = {"backbone": facts["backbone"], "backbone_revision": facts["revision"],
+                  "skill": facts["skill"], "method": facts["method"], "seed": facts["seed"],
+                  "atlas_content_hash": atlas.content_hash if atlas else "none",
+                  **{f"config.{k}": v for k, v in sorted(facts["config"].items())}}
+        name = f"{short_backbone(facts['backbone'])}-{facts['skill']}-{facts['method']}-s{facts['seed']}"
+        run_id = bridge.start_run(facts["backbone"], facts["skill"], name, params,
+                                  tags={RUN_TAG: str(training_run_id)})
+    link_mlflow_run(ledger, training_run_id, run_id)
+    return run_id
+
+
+def log_checkpoint(ledger: Ledger, bridge: MlflowBridge, checkpoint_id: int) -> None:
+    """Log a checkpoint's numeric metrics (and its epoch) at its training step."""
+    with ledger.transaction() as s:
+        ckpt = require_row(s, Checkpoint, checkpoint_id, "checkpoint")
+        training_run_id, step, epoch = ckpt.training_run_id, ckpt.step, ckpt.epoch
+        metrics = {k: float(v) for k, v in ckpt.metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    run_id = ensure_mlflow_run(ledger, bridge, training_run_id)
+    bridge.log_metrics(run_id, {**metrics, "epoch": float(epoch)}, step)
+
+
+def version_tags(ledger: Ledger, version_id: int) -> dict[str, str]:
+    """What a person needs on an MLflow model version: method, seed, epoch, verdict, ledger ids."""
+    v = get_version(ledger, version_id)
+    decision = latest_gate_decision(ledger, version_id)
+    tags = {
+        "version_name": v.name, "backbone": v.backbone, "skill": v.skill,
+        "method": str(v.method), "seed": str(v.seed), "epoch": str(v.epoch), "step": str(v.step),
+        "adapter_sha256": str(v.adapter_sha256), "atlas_sha256": str(v.atlas_sha256),
+        "gate_verdict": "pending" if decision is None else ("pass" if decision.passed else "fail"),
+        VERSION_TAG: str(v.id), "ledger.checkpoint_id": str(v.checkpoint_id),
+        "ledger.training_run_id": str(v.training_run_id),
+    }
+    if decision is not None:
+        tags["gate_policy"] = decision.policy_name
+        tags["ledger.gate_decision_id"] = str(decision.id)
+        failed = [c.name for c in decision.checks if not c.passed]
+        tags["gate_failed_checks"] = ", ".join(failed) if failed else "none"
+    return tags
+
+
+def sync_version_tags(ledger: Ledger, bridge: MlflowBridge, version_id: int) -> None:
+    """Refresh a published version's tags (e.g. after the gate decided)."""
+    v = get_version(ledger, version_id)
+    if v.mlflow_version is None:
+        raise LedgerError(f"version {v.name} (id {v.id}) is not published to MLflow yet")
+    bridge.set_version_tags(v.model_name, v.mlflow_version, version_tags(ledger, version_id))
+
+
+def _write_version_folder(ledger: Ledger, store: ArtifactStore, version_id: int, folder: Path) -> None:
+    """adapter + atlas (verified copies from the store), answers.jsonl and manifest.json."""
+    v = get_version(ledger, version_id)
+    files = {"adapter.safetensors": v.adapter_sha256}
+    if v.atlas_sha256 is not None:
+        files["atlas.safetensors"] = v.atlas_sha256
+    for name, sha256 in files.items():
+        store.fetch(sha256, folder / name)
+    answers = sorted(get_answers(ledger, version_id).values(), key=lambda a: (a.dataset, a.question_id))
+    lines = [json.dumps({"dataset": a.dataset, "question_id": a.question_id, "answer": a.answer,
+                         "correct": a.correct}, sort_keys=True) for a in answers]
+    atomic_write_text(folder / "answers.jsonl", "".join(line + "\n" for line in lines))
+    manifest = {"name": v.name, "model": v.model_name, "backbone": v.backbone, "skill": v.skill,
+                "method": v.method, "seed": v.seed, "epoch": v.epoch, "step": v.step,
+                "ledger_version_id": v.id, "ledger_checkpoint_id": v.checkpoint_id,
+                "files": {name: {"sha256": sha256} for name, sha256 in files.items()}}
+    atomic_write_text(folder / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def publish_version(ledger: Ledger, store: ArtifactStore, bridge: MlflowBridge, version_id: int) -> str:
+    """Create the MLflow model version of a ledger version; returns the MLflow version number.
+
+    Its files (adapter, atlas, answers, manifest) are logged under `versions/<name>/` of
+    the training run, and the version's source points there, so `models:/<name>@champion`
+    downloads exactly them.
+    """
+    v = get_version(ledger, version_id)
+    if v.is_base:
+        raise LedgerError(f"version {v.name} (id {v.id}) is the base backbone; it has no adapter to publish")
+    if v.mlflow_version is not None:
+        return v.mlflow_version
+    run_id = ensure_mlflow_run(ledger, bridge, v.training_run_id)  # type: ignore[arg-type]
+    bridge.ensure_registered_model(v.model_name, f"{v.backbone} adapted for {v.skill}")
+    existing = bridge.find_version(v.model_name, VERSION_TAG, str(v.id))
+    if existing is None:
+        artifact_path = f"versions/{v.name}"
+        with tempfile.TemporaryDirectory(prefix="registry-publish-") as tmp:
+            _write_version_folder(ledger, store, version_id, Path(tmp))
+            bridge.log_folder(run_id, tmp, artifact_path)
+        existing = bridge.create_version(v.model_name, run_id, artifact_path,
+                                         version_tags(ledger, version_id), description=v.name)
+    set_mlflow_version(ledger, version_id, existing)
+    return existing
+

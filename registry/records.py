@@ -1,0 +1,203 @@
+"""Plain records that go into and come out of the ledger.
+
+Callers (the flows) build the input records from their own results; the ledger returns
+output records instead of ORM objects so that nothing depends on an open session.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Optional
+
+# -- inputs --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DomainKL:
+    """Retained KL in nats/token on one retained domain."""
+
+    domain: str
+    kl_vs_base: Optional[float]
+    kl_vs_release: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class ChurnCounts:
+    """Answer flips on one domain against the base or the release (`against`).
+
+    F = correct -> wrong, G = wrong -> correct, W = wrong -> a different wrong answer,
+    out of n questions answered by both.
+    """
+
+    against: str  # "base" | "release"
+    domain: str
+    flips_f: int
+    flips_g: int
+    flips_w: int
+    n: int
+
+    @property
+    def churn(self) -> float:
+        return (self.flips_f + self.flips_g + self.flips_w) / self.n if self.n else 0.0
+
+    @property
+    def nfr(self) -> float:
+        return self.flips_f / self.n if self.n else 0.0
+
+
+@dataclass(frozen=True)
+class EvaluationRecord:
+    version_id: int
+    target_solved: int
+    target_total: int
+    kl: list[DomainKL] = field(default_factory=list)
+    churn: list[ChurnCounts] = field(default_factory=list)
+    csqa_choice_churn: Optional[float] = None
+    release_version_id: Optional[int] = None  # the champion this was measured against
+    extra: dict[str, Any] = field(default_factory=dict)
+    flow_run_id: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class AnswerRecord:
+    """A version's extracted answer to one question (`answer` None: nothing extracted)."""
+
+    dataset: str
+    question_id: str
+    answer: Optional[str]
+    correct: bool
+
+
+@dataclass(frozen=True)
+class GateCheckRecord:
+    """One policy threshold; `measured` may be NaN/None (the check then must have failed)."""
+
+    name: str
+    threshold: Optional[float]
+    measured: Optional[float]
+    passed: bool
+    detail: str = ""
+
+
+# -- outputs -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AtlasInfo:
+    id: int
+    content_hash: str
+    backbone_id: int
+    layer: int
+    config: dict[str, Any]
+    artifact_sha256: str
+    artifact_uri: str
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    id: int
+    training_run_id: int
+    epoch: int
+    step: int
+    adapter_sha256: str
+    adapter_uri: str
+    metrics: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: int
+    name: str
+    backbone: str
+    revision: str
+    skill: str
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """A model version with what a person (or an MLflow tag) needs to know about it."""
+
+    id: int
+    model_id: int
+    model_name: str
+    name: str
+    backbone: str
+    skill: str
+    mlflow_version: Optional[str]
+    checkpoint_id: Optional[int] = None  # None: the base backbone itself
+    training_run_id: Optional[int] = None
+    mlflow_run_id: Optional[str] = None
+    method: Optional[str] = None
+    seed: Optional[int] = None
+    epoch: Optional[int] = None
+    step: Optional[int] = None
+    adapter_sha256: Optional[str] = None
+    atlas_id: Optional[int] = None
+    atlas_sha256: Optional[str] = None
+
+    @property
+    def is_base(self) -> bool:
+        return self.checkpoint_id is None
+
+
+@dataclass(frozen=True)
+class EvaluationInfo:
+    id: int
+    version_id: int
+    release_version_id: Optional[int]
+    target_solved: int
+    target_total: int
+    kl: list[DomainKL]
+    churn: list[ChurnCounts]
+    csqa_choice_churn: Optional[float]
+    created_at: datetime
+
+    def churn_total(self, against: str) -> Optional[ChurnCounts]:
+        """F/G/W summed over domains against 'base' or 'release' (None if not measured)."""
+        rows = [c for c in self.churn if c.against == against]
+        if not rows:
+            return None
+        return ChurnCounts(
+            against, "all", *(sum(getattr(c, k) for c in rows) for k in ("flips_f", "flips_g", "flips_w", "n"))
+        )
+
+    def max_kl(self, which: str = "kl_vs_base") -> Optional[float]:
+        values = [getattr(k, which) for k in self.kl if getattr(k, which) is not None]
+        return max(values) if values else None
+
+
+@dataclass(frozen=True)
+class GateDecisionInfo:
+    id: int
+    version_id: int
+    evaluation_id: Optional[int]
+    release_version_id: Optional[int]
+    policy_name: str
+    passed: bool
+    checks: list[GateCheckRecord]
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class ReleaseInfo:
+    id: int
+    model_id: int
+    alias: str
+    version_id: int
+    previous_version_id: Optional[int]
+    action: str
+    reason: str
+    flow_run_id: Optional[str]
+    created_at: datetime
+    mlflow_synced: bool
+
+
+def finite_or_none(value: Optional[float], field_name: str) -> Optional[float]:
+    """Reject NaN/inf before it reaches the database (SQLite would silently store NULL)."""
+    if value is None:
+        return None
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{field_name}: expected a finite number or None, got {value}")
+    return value
