@@ -1,0 +1,94 @@
+"""Retained-output KL with prefix and reference caches, against a naive two-forward version."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from atlas_core.atlas import AtlasConfig, fit_atlas
+from atlas_core.residual import ResidualConfig, attach, build_residual
+from evaluation.kl import RetainedKL
+from evaluation.tiny import tiny_llama, tiny_tokenizer
+
+CONTEXTS = ["Question: What is 2 + 3? Answer: 5", "def add(a, b):\n    return a + b\n",
+            "The answer is 42. #### 42", "A. bank\nB. library", "print('hello world')"]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = tiny_tokenizer()
+    model = tiny_llama(len(tok), layers=4)
+    x = torch.randn(300, 64) + 2 * torch.randn(6, 64).repeat(50, 1)
+    atlas = fit_atlas(x, AtlasConfig(num_charts=6, rank=4, num_vectors=300), meta={"layer": 1})
+    return model, tok, atlas
+
+
+def residual(model, atlas, seed, std=0.3, variant="atlas"):
+    r = build_residual(ResidualConfig(variant=variant, layer=1, seed=seed), model, atlas)
+    torch.nn.init.normal_(r.B, std=std, generator=torch.Generator().manual_seed(seed))
+    return r
+
+
+def naive_kl(model, tok, contexts, ref_residual, residual):
+    """Two full forwards per context, one context at a time, no padding at all."""
+    total, count = 0.0, 0
+    for text in contexts:
+        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            if ref_residual is None:
+                ref = model(input_ids=ids).logits
+            else:
+                with attach(model, ref_residual):
+                    ref = model(input_ids=ids).logits
+            with attach(model, residual):
+                new = model(input_ids=ids).logits
+        p = F.softmax(ref[0].double(), -1)
+        kl = (p * (p.log() - F.log_softmax(new[0].double(), -1))).sum(-1)
+        total += float(kl.sum())
+        count += kl.numel()
+    return total / count
+
+
+def test_kl_zero_for_identical_models(setup):
+    model, tok, atlas = setup
+    kl = RetainedKL(model, tok, CONTEXTS, layer=1, batch_size=2, progress=False)
+    assert kl.kl(kl.reference()).mean == pytest.approx(0.0, abs=1e-7)
+    r = residual(model, atlas, seed=0)
+    ref = kl.reference(r)
+    assert kl.kl(ref, r).mean == pytest.approx(0.0, abs=1e-7)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_kl_matches_naive_against_base(setup, batch_size):
+    model, tok, atlas = setup
+    r = residual(model, atlas, seed=1)
+    kl = RetainedKL(model, tok, CONTEXTS, layer=1, batch_size=batch_size, progress=False)
+    result = kl.kl(kl.reference(), r)
+    assert result.mean > 1e-4
+    assert result.mean == pytest.approx(naive_kl(model, tok, CONTEXTS, None, r), rel=1e-4)
+    assert result.positions == sum(len(tok(c, add_special_tokens=False)["input_ids"]) for c in CONTEXTS)
+    per = [naive_kl(model, tok, [c], None, r) for c in CONTEXTS]
+    assert result.per_context == pytest.approx(per, rel=1e-4)
+
+
+def test_kl_against_a_released_version_and_cache_reuse(setup):
+    model, tok, atlas = setup
+    champion, candidate = residual(model, atlas, seed=2), residual(model, atlas, seed=3, variant="centered")
+    kl = RetainedKL(model, tok, CONTEXTS, layer=1, batch_size=2, progress=False)
+    ref = kl.reference(champion)
+    prefix_before = [h.clone() for h in kl.prefix()]
+    first = kl.kl(ref, candidate).mean
+    assert first == pytest.approx(naive_kl(model, tok, CONTEXTS, champion, candidate), rel=1e-4)
+    # the caches are reused as they are: a second checkpoint does not recompute the prefix
+    calls = []
+    hook = model.model.layers[0].register_forward_hook(lambda *a: calls.append(1))
+    kl.kl(ref, residual(model, atlas, seed=4))
+    hook.remove()
+    assert calls == []
+    assert all(torch.equal(a, b) for a, b in zip(prefix_before, kl.prefix()))
+    assert kl.cache_bytes() == sum(h.numel() * 4 for h in prefix_before)
+
+
+def test_residual_at_the_wrong_layer_is_refused(setup):
+    model, tok, atlas = setup
+    kl = RetainedKL(model, tok, CONTEXTS, layer=2, progress=False)
+    with pytest.raises(ValueError, match="prefix cache ends at 2"):
+        kl.kl(kl.reference(), residual(model, atlas, seed=0))
