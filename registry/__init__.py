@@ -110,6 +110,7 @@ from registry.store import (
     ArtifactStore,
     StoredArtifact,
     atomic_write_text,
+    sha256_bytes,
     sha256_file,
 )
 

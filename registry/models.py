@@ -23,6 +23,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    TypeDecorator,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -43,12 +44,29 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+class UTCDateTime(TypeDecorator):
+    """A timestamp that always comes back timezone-aware in UTC (SQLite drops the zone)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: Optional[datetime], dialect: Any) -> Optional[datetime]:
+        if value is not None and value.tzinfo is None:
+            raise ValueError(f"timestamp {value} has no timezone; the ledger stores UTC")
+        return value.astimezone(timezone.utc) if value is not None else None
+
+    def process_result_value(self, value: Optional[datetime], dialect: Any) -> Optional[datetime]:
+        if value is None:
+            return None
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
 def _created_at() -> Mapped[datetime]:
-    return mapped_column(DateTime(timezone=True), default=utcnow, nullable=False)
+    return mapped_column(UTCDateTime, default=utcnow, nullable=False)
 
 
 class Backbone(Base):
@@ -112,7 +130,7 @@ class TrainingRun(Base):
     flow_run_id: Mapped[Optional[str]] = mapped_column(String(64))
     mlflow_run_id: Mapped[Optional[str]] = mapped_column(String(64))
     started_at: Mapped[datetime] = _created_at()
-    finished_at: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[Optional[datetime]] = mapped_column(UTCDateTime)
 
 
 class Checkpoint(Base):
@@ -254,7 +272,7 @@ class Release(Base):
     flow_run_id: Mapped[Optional[str]] = mapped_column(String(64))
     created_at: Mapped[datetime] = _created_at()
     # Set once MLflow's alias was moved to match; NULL means `repair` still has work to do.
-    mlflow_synced_at: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True))
+    mlflow_synced_at: Mapped[Optional[datetime]] = mapped_column(UTCDateTime)
 
 
 class AliasHolder(Base):

@@ -62,6 +62,10 @@ def check_sha256(value: str, field: str = "sha256") -> str:
     return value
 
 
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def sha256_file(path: str | Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
