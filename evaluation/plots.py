@@ -1,0 +1,96 @@
+"""Figures for reports: the KL-vs-target trade-off and churn bars, saved as PNG (Agg backend)."""
+from __future__ import annotations
+
+import io
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never needs a display
+import matplotlib.pyplot as plt  # noqa: E402
+
+from atlas_core.io import atomic_write_bytes  # noqa: E402
+from evaluation.compare import Checkpoint, min_kl_at  # noqa: E402
+
+
+def _frontier(checkpoints: Sequence[Checkpoint], direction: str) -> tuple[list[float], list[float]]:
+    """A method's trade-off line: at each of its levels, the geometric mean over seeds of
+    each seed's lowest KL reaching that level (seeds that do not reach it are left out)."""
+    runs: dict[int, list[Checkpoint]] = defaultdict(list)
+    for c in checkpoints:
+        runs[c.seed].append(c)
+    xs, ys = [], []
+    for level in sorted({c.level for c in checkpoints}):
+        values = []
+        for run in runs.values():
+            try:
+                values.append(min_kl_at(run, level, direction))
+            except ValueError:
+                continue
+        xs.append(level)
+        ys.append(math.exp(sum(math.log(v) for v in values) / len(values)))
+    return xs, ys
+
+
+def _save(fig: plt.Figure, path: str | Path) -> Path:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+    return Path(path)
+
+
+def tradeoff_plot(
+    checkpoints: Sequence[Checkpoint],
+    path: str | Path,
+    direction: str = "higher",
+    level_label: str = "MBPP+ problems solved",
+    kl_label: str = "retained KL (nats/token)",
+    title: str = "Retained KL vs target score",
+    shared: Sequence[float] | None = None,
+) -> Path:
+    """One line per method (its KL frontier over seeds) plus every checkpoint as a dot.
+
+    `shared`: the matched levels, shaded. For direction "lower" the x axis is inverted so
+    better is always to the right."""
+    by_method: dict[str, list[Checkpoint]] = defaultdict(list)
+    for c in checkpoints:
+        by_method[c.method].append(c)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, (method, cps) in enumerate(sorted(by_method.items())):
+        color = f"C{i}"
+        ax.scatter([c.level for c in cps], [c.kl for c in cps], s=10, alpha=0.35, color=color)
+        xs, ys = _frontier(cps, direction)
+        ax.plot(xs, ys, marker="o", ms=3, color=color, label=method, drawstyle="steps-post" if direction == "higher" else "default")
+    if shared:
+        ax.axvspan(min(shared), max(shared), color="grey", alpha=0.12, label="shared levels")
+    ax.set_yscale("log")
+    if direction == "lower":
+        ax.invert_xaxis()
+    ax.set_xlabel(level_label)
+    ax.set_ylabel(kl_label)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def churn_bars(churn_by_model: Mapping[str, Mapping[str, float]], path: str | Path,
+               title: str = "Answer churn vs reference") -> Path:
+    """Stacked F / G / W rates (share of questions) per model; `churn_by_model[name]` holds
+    at least n, F, G, W (e.g. `Churn.as_dict()`)."""
+    names = list(churn_by_model)
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(names) + 2), 4.0))
+    bottom = [0.0] * len(names)
+    for key, label, color in (("F", "F: correct -> wrong", "C3"), ("G", "G: wrong -> correct", "C2"),
+                              ("W", "W: wrong -> other wrong", "C7")):
+        heights = [churn_by_model[n][key] / churn_by_model[n]["n"] for n in names]
+        ax.bar(names, heights, bottom=bottom, label=label, color=color)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_ylabel("share of questions")
+    ax.set_title(title)
+    ax.legend()
+    return _save(fig, path)
