@@ -64,7 +64,7 @@ def tradeoff_plot(
         color = f"C{i}"
         ax.scatter([c.level for c in cps], [c.kl for c in cps], s=10, alpha=0.35, color=color)
         xs, ys = _frontier(cps, direction)
-        ax.plot(xs, ys, marker="o", ms=3, color=color, label=method, drawstyle="steps-post" if direction == "higher" else "default")
+        ax.plot(xs, ys, marker="o", ms=3, color=color, label=method)
     if shared:
         ax.axvspan(min(shared), max(shared), color="grey", alpha=0.12, label="shared levels")
     ax.set_yscale("log")
