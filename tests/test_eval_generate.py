@@ -1,0 +1,141 @@
+"""Prompts, batched greedy generation, code extraction and conditional choice on a tiny random Llama."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from evaluation.choice import choose, label_token_ids  # noqa: E402
+from evaluation.generate import extract_code, generate, truncate_at_stop  # noqa: E402
+from evaluation.prompts import choice_message, code_message, math_message, render  # noqa: E402
+from evaluation.tiny import tiny_llama, tiny_tokenizer  # noqa: E402
+
+OPTIONS = ["bank", "library", "department store", "mall", "new york"]
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["chat", "plain"])
+def model_and_tokenizer(request):
+    tok = tiny_tokenizer(chat=request.param)
+    return tiny_llama(len(tok), seed=0), tok
+
+
+def _prompts(tok) -> list[str]:
+    return [
+        render(tok, math_message("What is 2 + 3?"), "math"),
+        render(tok, code_message("Write a function to add two numbers.", "assert add(1, 2) == 3"), "code"),
+        render(tok, choice_message("Where is money kept?", OPTIONS), "choice"),
+        render(tok, math_message("A train travels 60 km in 1.5 hours. What is its average speed in km/h?"), "math"),
+    ]
+
+
+def test_render_chat_and_plain() -> None:
+    chat, plain = tiny_tokenizer(chat=True), tiny_tokenizer(chat=False)
+    message = code_message("Write add.", "assert add(1, 2) == 3")
+    assert render(chat, message, "code") == f"<s><|user|>{message}\n<|assistant|>"
+    assert render(plain, message, "code") == f"{message}\n\n```python\n"
+    assert "assert add(1, 2) == 3" in message and "```python" in message
+    assert 'The answer is N' in math_message("q")
+    assert "A. bank\nB. library\nC. department store\nD. mall\nE. new york" in choice_message("s", OPTIONS)
+    with pytest.raises(ValueError, match="unknown task"):
+        render(chat, message, "poetry")
+
+
+def _manual_greedy(model, tok, prompt: str, n: int) -> str:
+    """Reference: unbatched greedy decoding by full forward passes, no cache, no padding."""
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=tok.chat_template is None)["input_ids"]
+    start = ids.shape[1]
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = model(input_ids=ids).logits[0, -1].argmax()
+            if nxt.item() == tok.eos_token_id:
+                break
+            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    return tok.decode(ids[0, start:], skip_special_tokens=True)
+
+
+def test_batched_generation_matches_manual_greedy(model_and_tokenizer) -> None:
+    model, tok = model_and_tokenizer
+    prompts = _prompts(tok)
+    batched = generate(model, tok, prompts, max_new_tokens=12, batch_size=3, progress=False)
+    assert batched == [_manual_greedy(model, tok, p, 12) for p in prompts]
+    # Deterministic, order-preserving, independent of batch composition.
+    assert generate(model, tok, prompts[::-1], max_new_tokens=12, batch_size=4, progress=False) == batched[::-1]
+    assert tok.padding_side == "right"  # restored afterwards
+
+
+def test_budget_and_stop_strings(model_and_tokenizer) -> None:
+    model, tok = model_and_tokenizer
+    prompts = _prompts(tok)
+    full = generate(model, tok, prompts, max_new_tokens=16, batch_size=2, progress=False)
+    # The budget: 4 new tokens give exactly the first 4 greedy tokens.
+    short = generate(model, tok, prompts, max_new_tokens=4, batch_size=2, progress=False)
+    assert short == [_manual_greedy(model, tok, p, 4) for p in prompts]
+    # A stop string taken from the middle of one completion cuts that completion there.
+    target = next(t for t in full if len(t) >= 8)
+    stop = target[4:7]
+    stopped = generate(model, tok, prompts, max_new_tokens=16, batch_size=2, stop=[stop], progress=False)
+    for before, after in zip(full, stopped):
+        assert after == truncate_at_stop(before, [stop])
+    assert all(stop not in t for t in stopped)
+    assert len(stopped[full.index(target)]) < len(target)
+
+
+def test_forward_hook_changes_generation(model_and_tokenizer) -> None:
+    # An adapter attached by a forward hook must take effect without anything special here.
+    model, tok = model_and_tokenizer
+    prompts = _prompts(tok)[:2]
+    plain = generate(model, tok, prompts, max_new_tokens=8, progress=False)
+    steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1)) * 50
+    handle = model.model.layers[0].register_forward_hook(lambda m, i, out: (out[0] + steer, *out[1:])
+                                                         if isinstance(out, tuple) else out + steer)
+    try:
+        hooked = generate(model, tok, prompts, max_new_tokens=8, progress=False)
+    finally:
+        handle.remove()
+    assert hooked != plain
+    assert generate(model, tok, prompts, max_new_tokens=8, progress=False) == plain
+
+
+def test_choice_matches_unbatched_forward_and_follows_logits(model_and_tokenizer) -> None:
+    model, tok = model_and_tokenizer
+    prompts = [render(tok, choice_message("Where is money kept" + "?" * i, OPTIONS), "choice") for i in range(5)]
+    result = choose(model, tok, prompts, batch_size=3, progress=False)
+    ids = label_token_ids(tok)
+    for prompt, row in zip(prompts, result.logprobs):
+        enc = tok(prompt, return_tensors="pt", add_special_tokens=tok.chat_template is None)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(**enc).logits[0, -1], dim=-1)[ids]
+        assert torch.allclose(row, logp, atol=1e-5)
+    assert result.choices == ["ABCDE"[i] for i in result.logprobs.argmax(-1).tolist()]
+    # Push the logit of label "C" up: every choice must become C.
+    bias = torch.zeros(len(tok))
+    bias[ids[2]] = 100.0
+    handle = model.lm_head.register_forward_hook(lambda m, i, out: out + bias)
+    try:
+        forced = choose(model, tok, prompts, batch_size=2, progress=False)
+    finally:
+        handle.remove()
+    assert forced.choices == ["C"] * 5
+    gold = ["C", "C", "A", "B", "C"]
+    assert forced.accuracy(gold) == pytest.approx(3 / 5)
+    assert [a.correct for a in forced.answers([f"q{i}" for i in range(5)], gold)] == [True, True, False, False, True]
+
+
+@pytest.mark.parametrize(
+    "completion, entry_point, expected",
+    [
+        ("Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\nDone.", "add", "def add(a, b):\n    return a + b"),
+        ("```\nimport math\ndef f(x):\n    return math.sqrt(x)\n```", None, "import math\ndef f(x):\n    return math.sqrt(x)"),
+        ("```python\nprint(add(1, 2))\n```\n```py\ndef add(a, b):\n    return a + b\n```", "add", "def add(a, b):\n    return a + b"),
+        ("```python\ndef helper():\n    pass\n```\n```python\ndef add(a, b):\n    return a+b\n```", "add", "def add(a, b):\n    return a+b"),
+        ("```python\ndef add(a, b):\n    return a + b", "add", "def add(a, b):\n    return a + b"),  # unclosed fence
+        ("```text\nnot code\n```\ndef add(a, b):\n    return a + b", None, "def add(a, b):\n    return a + b"),  # non-python fence skipped
+        ("The function:\ndef add(a, b):\n    return a + b\n", "add", "def add(a, b):\n    return a + b"),  # raw code
+        ("return 1", None, "return 1"),
+    ],
+)
+def test_extract_code(completion: str, entry_point: str | None, expected: str) -> None:
+    assert extract_code(completion, entry_point) == expected
