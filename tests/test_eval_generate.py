@@ -139,3 +139,19 @@ def test_choice_matches_unbatched_forward_and_follows_logits(model_and_tokenizer
 )
 def test_extract_code(completion: str, entry_point: str | None, expected: str) -> None:
     assert extract_code(completion, entry_point) == expected
+
+
+def test_task_pipelines_on_tiny_model() -> None:
+    # End to end on real data with the tiny random model: shapes and bookkeeping, not quality.
+    from evaluation.tasks import eval_csqa_choice, eval_gsm8k, eval_mbpp_plus
+
+    tok = tiny_tokenizer(chat=True)
+    model = tiny_llama(len(tok))
+    math = eval_gsm8k(model, tok, limit=3, max_new_tokens=4)
+    assert [a.id for a in math.answers] == ["gsm8k-test-0", "gsm8k-test-1", "gsm8k-test-2"]
+    assert math.accuracy == sum(a.correct for a in math.answers) / 3
+    csqa = eval_csqa_choice(model, tok, limit=4)
+    assert len(csqa.answers) == 4 and all(a.answer in "ABCDE" for a in csqa.answers)
+    code = eval_mbpp_plus(model, tok, limit=2, max_new_tokens=4)
+    assert code.result.n == 2 and code.result.solved == 0  # random tokens do not solve MBPP+
+    assert set(code.completions) == {"Mbpp/11", "Mbpp/12"}
