@@ -3,11 +3,17 @@ from __future__ import annotations
 
 import io
 import math
+import os
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import matplotlib
+from atlas_core.paths import state_dir
+
+# matplotlib keeps a font cache; keep it with the project's other state, not in ~/.cache.
+os.environ.setdefault("MPLCONFIGDIR", str(state_dir() / "matplotlib"))
+
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
