@@ -1,0 +1,258 @@
+"""Training configuration: typed dataclasses, loadable from YAML with errors that name the field.
+
+    RunConfig                  what one training run is (a file in configs/train/)
+      backbone, adapter, layer, rank, atlas
+      residual: ResidualOptions    options of the residual variants (scale, alpha, top_n)
+      lora: LoRAOptions            options of the Weight-LoRA baseline (alpha, target)
+      train: TrainConfig           optimisation, data handling, checkpoints
+        objective: ObjectiveConfig   ce | replay | output-kl and their weights
+
+`load_run_config("configs/train/atlas.yaml")` parses and validates a file; a typo or a
+wrong type is an error such as `train.lr: expected a number, got 'fast'`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ..residual import RESIDUAL_VARIANTS, ResidualConfig
+
+ADAPTERS = tuple(RESIDUAL_VARIANTS) + ("weight-lora",)
+OBJECTIVES = ("ce", "replay", "output-kl")
+SCHEDULES = ("constant", "cosine", "linear")
+BAD_EXAMPLE_POLICIES = ("raise", "skip", "truncate")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or of the wrong type; the message names the field."""
+
+
+def _help(text: str, default):
+    return field(default=default, metadata={"help": text})
+
+
+def _factory(text: str, factory):
+    return field(default_factory=factory, metadata={"help": text})
+
+
+@dataclass
+class ObjectiveConfig:
+    kind: str = _help(f"One of {OBJECTIVES}: target cross-entropy only; + LM loss on retained examples (Replay); "
+                      "+ beta * KL(f0 || f) on retained contexts (Output-KL).", "ce")
+    ratio: float = _help("Retained examples drawn per target example in each micro-batch (Replay and Output-KL).", 0.5)
+    replay_weight: float = _help("Weight of the retained LM loss (Replay).", 1.0)
+    beta: float = _help("Weight of KL(f0 || f) on retained contexts (Output-KL; the spec runs 0.3 and 1.0).", 0.3)
+    teacher_cache_mib: float = _help("Cache f0's log-probabilities on the retained set once if they fit in this many MiB; "
+                                     "otherwise recompute them each step without gradients.", 512.0)
+
+    def __post_init__(self) -> None:
+        _choice("kind", self.kind, OBJECTIVES)
+        for name in ("ratio", "replay_weight", "beta"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: expected a positive number, got {getattr(self, name)!r}")
+        if self.teacher_cache_mib < 0:
+            raise ConfigError(f"teacher_cache_mib: expected >= 0, got {self.teacher_cache_mib!r}")
+
+    @property
+    def uses_retained(self) -> bool:
+        return self.kind != "ce"
+
+
+@dataclass
+class TrainConfig:
+    lr: float = _help("Peak AdamW learning rate (spec: 2e-4 for Qwen, else chosen by validation loss).", 2e-4)
+    epochs: int = _help("Passes over the training set.", 5)
+    batch_size: int = _help("Target examples per micro-batch.", 8)
+    grad_accum: int = _help("Micro-batches per optimizer step (the loss is averaged over all their tokens).", 1)
+    seed: int = _help("Seed of the adapter initialisation and of the data order (a pure function of seed and epoch).", 0)
+    weight_decay: float = _help("AdamW weight decay.", 0.0)
+    betas: tuple[float, float] = _help("AdamW betas.", (0.9, 0.999))
+    eps: float = _help("AdamW epsilon.", 1e-8)
+    grad_clip: float | None = _help("Clip the global gradient norm to this value (null: no clipping).", 1.0)
+    schedule: str = _help(f"Learning-rate schedule after warmup, one of {SCHEDULES}.", "constant")
+    warmup_steps: int = _help("Linear warmup steps from 0 to lr.", 0)
+    max_length: int = _help("Longest example (prompt + response tokens) accepted.", 1024)
+    on_bad_example: str = _help(f"One of {BAD_EXAMPLE_POLICIES}: what to do with an example whose response is empty or "
+                                "which is longer than max_length. 'raise' lists them all and stops; 'skip' drops them; "
+                                "'truncate' cuts over-long ones to max_length (empty ones are skipped). "
+                                "Dropped or cut examples are listed in the summary.", "raise")
+    bucket_batches: int = _help("Shuffle, then sort by length within windows of this many batches: less padding, "
+                                "still random. 1: no sorting.", 8)
+    prefix_cache: bool = _help("Cache the frozen lower layers' output once and run only the upper layers each step.", True)
+    checkpoint_every_steps: int = _help("Also checkpoint every this many optimizer steps (0: only at epoch ends).", 0)
+    validate_every_checkpoint: bool = _help("Compute the validation loss at every checkpoint (else only at epoch ends).", True)
+    cache_batch_size: int = _help("Examples per forward pass when filling the prefix cache and computing validation loss.", 16)
+    progress: bool = _help("Show a progress bar.", True)
+    objective: ObjectiveConfig = _factory("Training objective (target CE, Replay, Output-KL).", ObjectiveConfig)
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError(f"lr: expected a positive number, got {self.lr!r}")
+        for name in ("epochs", "batch_size", "grad_accum", "max_length", "bucket_batches", "cache_batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
+        for name in ("warmup_steps", "checkpoint_every_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: expected an integer >= 0, got {getattr(self, name)!r}")
+        if self.weight_decay < 0 or self.eps <= 0:
+            raise ConfigError(f"weight_decay: expected >= 0 (and eps > 0), got {self.weight_decay!r} (eps {self.eps!r})")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"betas: expected two numbers in [0, 1), got {self.betas!r}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ConfigError(f"grad_clip: expected a positive number or null, got {self.grad_clip!r}")
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("on_bad_example", self.on_bad_example, BAD_EXAMPLE_POLICIES)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def fingerprint(self) -> dict:
+        """The fields that change what a run computes (cadence and display excluded): resume checks it."""
+        d = self.to_dict()
+        for name in ("progress", "checkpoint_every_steps", "validate_every_checkpoint", "cache_batch_size"):
+            d.pop(name)
+        return d
+
+
+@dataclass
+class ResidualOptions:
+    scale: float | str = _help("s in rho = ||z|| / (||z|| + s): a number or 'calibrated'.", 64.0)
+    alpha: float = _help("Filter strength in [0, 1].", 1.0)
+    top_n: int = _help("Charts each token is routed to.", 4)
+
+
+@dataclass
+class LoRAOptions:
+    alpha: float = _help("LoRA scaling numerator: the update is (alpha / rank) * B A x. alpha = rank gives scale 1.", 16.0)
+    target: str = _help("Name of the projection inside decoder layer l to adapt (the attention output projection).",
+                        "self_attn.o_proj")
+
+
+@dataclass
+class RunConfig:
+    backbone: str = _help("Backbone alias, hub id or folder (see atlas_core.backbone.load_backbone).", "smollm2-135m")
+    adapter: str = _help(f"What trains, one of {ADAPTERS}: a residual variant, or PEFT LoRA on layer l's o_proj.", "atlas")
+    layer: int = _help("Decoder layer l (-1: the middle layer L // 2).", -1)
+    rank: int = _help("r: rank of the residual factors or of the LoRA factors (same parameter budget 2*d*r).", 16)
+    atlas: str | None = _help("Path of the atlas (.safetensors) for variants that need one.", None)
+    residual: ResidualOptions = _factory("Options of the residual variants.", ResidualOptions)
+    lora: LoRAOptions = _factory("Options of the Weight-LoRA baseline.", LoRAOptions)
+    train: TrainConfig = _factory("Optimisation, data handling and checkpoints.", TrainConfig)
+
+    def __post_init__(self) -> None:
+        _choice("adapter", self.adapter, ADAPTERS)
+        if self.rank < 1:
+            raise ConfigError(f"rank: expected a positive integer, got {self.rank!r}")
+        if self.layer < -1:
+            raise ConfigError(f"layer: expected -1 (middle) or a layer index >= 0, got {self.layer!r}")
+        if self.adapter != "weight-lora" and RESIDUAL_VARIANTS[self.adapter] is not None and self.atlas is None:
+            raise ConfigError(f"atlas: adapter {self.adapter!r} needs an atlas file, got none")
+        if self.adapter != "weight-lora":
+            self.residual_config()  # validates the residual options now, not at build time
+
+    def residual_config(self) -> ResidualConfig:
+        if self.adapter == "weight-lora":
+            raise ConfigError("adapter: 'weight-lora' has no residual config")
+        try:
+            return ResidualConfig(variant=self.adapter, layer=self.layer, rank=self.rank, seed=self.train.seed,
+                                  **asdict(self.residual))
+        except ValueError as e:
+            raise ConfigError(f"residual.{e}") from e
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ------------------------------------------------------------------------------ loading
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}: expected one of {tuple(allowed)}, got {value!r}")
+
+
+def _convert(value, hint, where: str):
+    """`value` checked (and mildly coerced, e.g. YAML's '2e-4' string to a float) against type `hint`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{where}: expected a value, got null")
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _convert(value, option, where)
+            except ConfigError as e:
+                errors.append(str(e).split(": ", 1)[1])
+        raise ConfigError(f"{where}: {' or '.join(errors)}")
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, where)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{where}: expected a list of {len(args)} items, got {value!r}")
+        return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 2e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"{where}: unsupported field type {hint!r}")
+
+
+def from_dict(cls, data, where: str = ""):
+    """Build dataclass `cls` from a mapping, naming the dotted field path in every error."""
+    prefix = f"{where}." if where else ""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or cls.__name__}: expected a mapping of fields, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown field; expected one of {names}")
+    values = {k: _convert(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
+    try:
+        return cls(**values)
+    except ConfigError as e:  # raised by __post_init__, which names fields relative to its own class
+        raise ConfigError(f"{prefix}{e}") from e
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Parse and validate a run config YAML file (see configs/train/)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from e
+    try:
+        return from_dict(RunConfig, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e
+
+
+def config_hash(*parts) -> str:
+    """sha256 of the canonical JSON of `parts` (dicts, lists, strings)."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
