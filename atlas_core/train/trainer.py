@@ -218,7 +218,7 @@ def train(model: nn.Module, adapter, data: TrainData, config: TrainConfig, run_d
                 if retained is not None:
                     loss = loss + retained.weight * retained.loss_sum(model, adapter, extra[k]) / n_extra
                 if not torch.isfinite(loss):
-                    _diverged(run_dir, state, f"loss is {float(loss)}")
+                    _diverged(run_dir, state, f"loss is {float(loss.detach())}")
                 loss.backward()
                 loss_value += float(loss.detach())
             grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip if config.grad_clip else float("inf"))
