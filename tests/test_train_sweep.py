@@ -1,0 +1,50 @@
+"""The learning-rate sweep picks the rate with the lowest validation loss and shares the prefix cache."""
+import json
+
+import pytest
+import torch
+
+from atlas_core.residual import ResidualConfig, build_residual
+from atlas_core.train import TrainConfig, TrainingDiverged, WeightLoRA, prepare_data, sweep_learning_rate
+from atlas_core.train import prefix_cache
+from tests.conftest import tiny_model
+from tests.train_fixtures import CharTokenizer, toy_pairs
+
+
+def test_sweep_picks_lowest_validation_loss_and_builds_caches_once(tmp_path, monkeypatch):
+    model = tiny_model("llama")
+    pairs = toy_pairs(40)
+    config = TrainConfig(epochs=2, batch_size=8, progress=False)
+    data = prepare_data(CharTokenizer(), pairs[:32], config, val=pairs[32:], chat=False)
+    built = []
+    original = prefix_cache.PrefixCache.build.__func__
+    monkeypatch.setattr(prefix_cache.PrefixCache, "build",
+                        classmethod(lambda cls, *a, **k: built.append(1) or original(cls, *a, **k)))
+    result = sweep_learning_rate(model, lambda: build_residual(ResidualConfig(variant="plain", layer=2, rank=4), model),
+                                 data, config, [1e-5, 3e-2], tmp_path)
+    assert result.best_lr == 3e-2 and result.val_loss[3e-2] < result.val_loss[1e-5]
+    assert len(built) == 2  # train and val sets, once for both rates
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    assert saved["best_lr"] == 3e-2 and (tmp_path / "lr-0.03" / "checkpoints").is_dir()
+
+
+def test_diverging_rate_loses(tmp_path):
+    model = tiny_model("llama")
+    pairs = toy_pairs(40)
+    config = TrainConfig(epochs=1, batch_size=8, progress=False)
+    data = prepare_data(CharTokenizer(), pairs[:32], config, val=pairs[32:], chat=False)
+    made = []
+
+    def fresh():  # Weight-LoRA lives inside the model: take the previous rate's out first
+        if made:
+            made[-1].remove()
+        made.append(WeightLoRA(model, layer=2, rank=4))
+        if len(made) == 1:  # the first rate's run produces a NaN loss
+            with torch.no_grad():
+                made[-1].lora_B.fill_(float("nan"))
+        return made[-1]
+
+    result = sweep_learning_rate(model, fresh, data, config, [1e-2, 3e-2], tmp_path)
+    assert result.val_loss[1e-2] == float("inf") and result.best_lr == 3e-2
+    with pytest.raises(ValueError, match="needs validation examples"):
+        sweep_learning_rate(model, fresh, prepare_data(CharTokenizer(), pairs, config, chat=False), config, [1e-2], tmp_path)
