@@ -35,6 +35,8 @@ Comparison      compare_versions(ledger, a_id, b_id) -> Comparison (.to_table(),
                 .write(folder), .log_to_mlflow(bridge, run_id)); answer_churn(a, b);
                 release_history(ledger, model_id) -> [HistoryRow]; format_history(rows, markdown=False)
 """
+from types import ModuleType as _ModuleType
+
 from registry.compare import (
     ChurnRow,
     Comparison,
@@ -114,4 +116,6 @@ from registry.store import (
     sha256_file,
 )
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+# Everything imported above except the submodules themselves.
+__all__ = sorted(name for name, value in dict(globals()).items()
+                 if not name.startswith("_") and not isinstance(value, _ModuleType))

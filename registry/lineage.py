@@ -5,6 +5,7 @@ returns the existing row, so a flow that is retried after a crash does not dupli
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Callable, Optional, TypeVar
 
@@ -51,6 +52,17 @@ def _once_more_on_conflict(create: Callable[[], T]) -> T:
         return create()
     except IntegrityError:
         return create()
+
+
+def json_field(value: dict[str, Any], field: str) -> dict[str, Any]:
+    """A JSON column value; NaN/inf are refused because PostgreSQL's json type rejects them."""
+    if not isinstance(value, dict):
+        raise LedgerError(f"{field}: expected a dict, got {type(value).__name__}")
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise LedgerError(f"{field}: not storable as JSON ({e}); use null or a string for NaN/inf") from e
+    return dict(value)
 
 
 def model_name_for(backbone: str, skill: str) -> str:
@@ -126,7 +138,8 @@ def record_atlas(ledger: Ledger, content_hash: str, backbone_id: int, layer: int
                 )
             return _atlas_info(existing)
         require_row(s, Backbone, backbone_id, "backbone")
-        row = Atlas(content_hash=content_hash, backbone_id=backbone_id, layer=int(layer), config=config,
+        row = Atlas(content_hash=content_hash, backbone_id=backbone_id, layer=int(layer),
+                    config=json_field(config, "atlas config"),
                     artifact_sha256=artifact.sha256, artifact_uri=artifact.uri)
         s.add(row)
         s.flush()
@@ -151,7 +164,7 @@ def start_training_run(ledger: Ledger, backbone_id: int, skill: str, method: str
         if dataset_id is not None:
             require_row(s, Dataset, dataset_id, "dataset")
         row = TrainingRun(backbone_id=backbone_id, skill=skill, method=method, seed=int(seed),
-                          config=config, atlas_id=atlas_id, dataset_id=dataset_id,
+                          config=json_field(config, "training config"), atlas_id=atlas_id, dataset_id=dataset_id,
                           status="running", flow_run_id=flow_run_id)
         s.add(row)
         s.flush()
@@ -193,7 +206,8 @@ def record_checkpoint(ledger: Ledger, training_run_id: int, epoch: int, step: in
                                   f"{existing.adapter_sha256} is already recorded, not {adapter.sha256}")
             return _checkpoint_info(existing)
         row = Checkpoint(training_run_id=training_run_id, epoch=int(epoch), step=int(step),
-                         adapter_sha256=adapter.sha256, adapter_uri=adapter.uri, metrics=dict(metrics))
+                         adapter_sha256=adapter.sha256, adapter_uri=adapter.uri,
+                         metrics=json_field(metrics, "checkpoint metrics"))
         s.add(row)
         s.flush()
         return _checkpoint_info(row)
@@ -210,18 +224,28 @@ def last_checkpoint(ledger: Ledger, training_run_id: int) -> Optional[Checkpoint
 # -- registered models and versions -------------------------------------------------------
 
 
+def _model_row(session: Session, backbone_id: int, skill: str) -> RegisteredModel:
+    backbone = require_row(session, Backbone, backbone_id, "backbone")
+    row = session.scalar(select(RegisteredModel).where(RegisteredModel.backbone_id == backbone_id,
+                                                       RegisteredModel.skill == skill))
+    if row is None:
+        row = RegisteredModel(name=model_name_for(backbone.name, skill), backbone_id=backbone_id, skill=skill)
+        session.add(row)
+        session.flush()
+    return row
+
+
 def ensure_model(ledger: Ledger, backbone_id: int, skill: str) -> ModelInfo:
     """The registered model of (backbone, skill), created on first use."""
     _require_name(skill, "skill")
-    with ledger.transaction() as s:
-        backbone = require_row(s, Backbone, backbone_id, "backbone")
-        row = s.scalar(select(RegisteredModel).where(RegisteredModel.backbone_id == backbone_id,
-                                                     RegisteredModel.skill == skill))
-        if row is None:
-            row = RegisteredModel(name=model_name_for(backbone.name, skill), backbone_id=backbone_id, skill=skill)
-            s.add(row)
-            s.flush()
-        return ModelInfo(row.id, row.name, backbone.name, backbone.revision, row.skill)
+
+    def create() -> ModelInfo:
+        with ledger.transaction() as s:
+            row = _model_row(s, backbone_id, skill)
+            backbone = s.get(Backbone, backbone_id)
+            return ModelInfo(row.id, row.name, backbone.name, backbone.revision, row.skill)
+
+    return _once_more_on_conflict(create)
 
 
 def get_model(ledger: Ledger, model: int | str) -> ModelInfo:
@@ -260,25 +284,23 @@ def get_version(ledger: Ledger, version_id: int) -> VersionInfo:
 
 def register_version(ledger: Ledger, checkpoint_id: int) -> VersionInfo:
     """Make a checkpoint a candidate version of its (backbone, skill) model (idempotent)."""
-    with ledger.transaction() as s:
-        ckpt = require_row(s, Checkpoint, checkpoint_id, "checkpoint")
-        run = s.get(TrainingRun, ckpt.training_run_id)
-        backbone = s.get(Backbone, run.backbone_id)
-        model = s.scalar(select(RegisteredModel).where(RegisteredModel.backbone_id == run.backbone_id,
-                                                       RegisteredModel.skill == run.skill))
-        if model is None:
-            model = RegisteredModel(name=model_name_for(backbone.name, run.skill),
-                                    backbone_id=run.backbone_id, skill=run.skill)
-            s.add(model)
-            s.flush()
-        row = s.scalar(select(ModelVersion).where(ModelVersion.registered_model_id == model.id,
-                                                  ModelVersion.checkpoint_id == checkpoint_id))
-        if row is None:
-            name = f"{short_backbone(backbone.name)}-{run.skill}-{run.method}-s{run.seed}-e{ckpt.epoch}"
-            row = ModelVersion(registered_model_id=model.id, checkpoint_id=checkpoint_id, name=name)
-            s.add(row)
-            s.flush()
-        return version_info(s, row)
+
+    def create() -> VersionInfo:
+        with ledger.transaction() as s:
+            ckpt = require_row(s, Checkpoint, checkpoint_id, "checkpoint")
+            run = s.get(TrainingRun, ckpt.training_run_id)
+            model = _model_row(s, run.backbone_id, run.skill)
+            row = s.scalar(select(ModelVersion).where(ModelVersion.registered_model_id == model.id,
+                                                      ModelVersion.checkpoint_id == checkpoint_id))
+            if row is None:
+                backbone = s.get(Backbone, run.backbone_id)
+                name = f"{short_backbone(backbone.name)}-{run.skill}-{run.method}-s{run.seed}-e{ckpt.epoch}"
+                row = ModelVersion(registered_model_id=model.id, checkpoint_id=checkpoint_id, name=name)
+                s.add(row)
+                s.flush()
+            return version_info(s, row)
+
+    return _once_more_on_conflict(create)
 
 
 def base_version(ledger: Ledger, model_id: int) -> VersionInfo:

@@ -8,7 +8,7 @@ from typing import Any, Optional
 from sqlalchemy import select
 
 from registry.db import Ledger, LedgerError
-from registry.lineage import require_row
+from registry.lineage import json_field, require_row
 from registry.models import (
     Answer,
     Evaluation,
@@ -57,7 +57,7 @@ def record_evaluation(ledger: Ledger, record: EvaluationRecord) -> int:
             require_row(s, ModelVersion, record.release_version_id, "release model version")
         row = Evaluation(model_version_id=record.version_id, release_version_id=record.release_version_id,
                          target_solved=int(record.target_solved), target_total=int(record.target_total),
-                         csqa_choice_churn=record.csqa_choice_churn, extra=dict(record.extra),
+                         csqa_choice_churn=record.csqa_choice_churn, extra=json_field(record.extra, "extra"),
                          flow_run_id=record.flow_run_id)
         s.add(row)
         s.flush()
@@ -154,7 +154,7 @@ def record_gate_decision(ledger: Ledger, version_id: int, policy_name: str, poli
             require_row(s, ModelVersion, release_version_id, "release model version")
         row = GateDecision(model_version_id=version_id, evaluation_id=evaluation_id,
                            release_version_id=release_version_id, policy_name=policy_name,
-                           policy=dict(policy), passed=passed, flow_run_id=flow_run_id)
+                           policy=json_field(policy, "policy"), passed=passed, flow_run_id=flow_run_id)
         s.add(row)
         s.flush()
         for c in checks:

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -197,3 +200,21 @@ def test_promotion_and_rollback_in_the_ledger(ledger, store):
         r.promote(ledger, None, v3.id, alias="latest")
     with ledger.transaction() as s:
         assert all(row.mlflow_synced_at is None for row in s.scalars(select(Release)))
+
+
+def test_json_columns_refuse_nan_on_every_backend(ledger, store):
+    bb = r.ensure_backbone(ledger, "m", "r")
+    with pytest.raises(r.LedgerError, match="training config"):
+        r.start_training_run(ledger, bb, "mbpp", "atlas", 0, {"lr": math.nan})
+    run = r.start_training_run(ledger, bb, "mbpp", "atlas", 0, {"lr": 0.1})
+    with pytest.raises(r.LedgerError, match="checkpoint metrics"):
+        r.record_checkpoint(ledger, run, 1, 1, store.put_bytes(b"a"), {"loss": math.inf})
+    assert r.last_checkpoint(ledger, run) is None
+
+
+def test_registry_imports_nothing_else_of_the_project():
+    code = ("import sys, registry; bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('atlas_core', 'evaluation', 'flows')); print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stdout + done.stderr
