@@ -17,6 +17,7 @@ class AtlasConfig:
     num_vectors: int = field(default=4096, metadata={"help": "N: calibration vectors sampled from retained examples."})
     per_example: int = field(default=2, metadata={"help": "Non-padding positions sampled per retained example."})
     seed: int = field(default=0, metadata={"help": "Seed for position sampling, k-means++ and the random/shuffled variants."})
+    restarts: int = field(default=3, metadata={"help": "k-means++ seedings tried; the lowest inertia wins."})
     max_iter: int = field(default=100, metadata={"help": "Maximum Lloyd iterations (stops earlier when assignments settle)."})
     calibration_sample: int = field(default=512, metadata={"help": "Calibration vectors stored with the atlas, used to "
                                                                     "calibrate the residual's scale s."})
@@ -26,7 +27,7 @@ class AtlasConfig:
             raise ValueError(f"variant: expected one of {ATLAS_VARIANTS}, got {self.variant!r}")
         if self.variant == "global":
             self.num_charts = 1
-        for name in ("num_charts", "rank", "num_vectors", "per_example", "max_iter"):
+        for name in ("num_charts", "rank", "num_vectors", "per_example", "max_iter", "restarts"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
         if self.equal_support is not None and self.equal_support <= self.rank:

@@ -13,6 +13,8 @@ import torch
 from .config import AtlasConfig
 from .model import Atlas
 
+_SEEDING_SAMPLE = 1024  # k-means++ runs on at most this many vectors (or 32 per chart)
+
 
 def sq_distances(x: torch.Tensor, centers: torch.Tensor, x_sq: torch.Tensor | None = None) -> torch.Tensor:
     """Squared Euclidean distances (N, K) between rows of x (N, d) and centers (K, d)."""
@@ -20,47 +22,66 @@ def sq_distances(x: torch.Tensor, centers: torch.Tensor, x_sq: torch.Tensor | No
     return (x_sq[:, None] - 2.0 * (x @ centers.T) + (centers * centers).sum(1)[None, :]).clamp_min_(0.0)
 
 
-def kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
-    """Greedy k-means++ seeding (as scikit-learn): 2 + log k candidates per step, keep the best."""
+def kmeans_plus_plus(x: torch.Tensor, k: int, restarts: int, generator: torch.Generator, x_sq: torch.Tensor) -> torch.Tensor:
+    """Greedy k-means++ seeding (as scikit-learn: 2 + log k candidates per step, keep the one
+    that lowers the potential most), for `restarts` independent seedings at once.
+
+    Returns seed indices (R, K). All seedings share one GEMM per step, so x is read once a step.
+    """
     n = x.shape[0]
-    x_sq = (x * x).sum(1)
     trials = 2 + int(math.log(k))
-    centers = [x[torch.randint(n, (1,), generator=generator)]]
-    closest = sq_distances(x, centers[0], x_sq)[:, 0]  # (N,)
+    rows = torch.arange(restarts)
+    chosen = torch.randint(n, (restarts, 1), generator=generator)  # (R, 1)
+    closest = (x_sq[chosen] - 2.0 * (x[chosen[:, 0]] @ x.T)[:, None] + x_sq).clamp_min_(0.0)[:, 0]  # (R, N)
     for _ in range(1, k):
-        candidates = torch.multinomial(closest + 1e-12, trials, replacement=True, generator=generator)
-        d_cand = torch.minimum(closest[None, :], sq_distances(x[candidates], x, x_sq[candidates]))  # (trials, N)
-        best = int(d_cand.sum(1).argmin())
-        centers.append(x[candidates[best]][None])
-        closest = d_cand[best]
-    return torch.cat(centers)
+        candidates = torch.multinomial(closest + 1e-12, trials, replacement=True, generator=generator)  # (R, T)
+        dots = (x[candidates.flatten()] @ x.T).view(restarts, trials, n)
+        d_cand = (x_sq[candidates][:, :, None] - 2.0 * dots + x_sq).clamp_min_(0.0)  # (R, T, N)
+        d_cand = torch.minimum(closest[:, None, :], d_cand)
+        best = d_cand.sum(-1).argmin(-1)  # (R,)
+        chosen = torch.cat([chosen, candidates[rows, best][:, None]], 1)
+        closest = d_cand[rows, best]
+    return chosen
 
 
-def kmeans(x: torch.Tensor, k: int, seed: int = 0, max_iter: int = 100) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Lloyd's algorithm from k-means++ seeds. Returns (centers (K, d), labels (N,), inertia)."""
-    if x.shape[0] < k:
-        raise ValueError(f"num_vectors: k-means with {k} charts needs at least {k} vectors, got {x.shape[0]}")
+def kmeans(x: torch.Tensor, k: int, seed: int = 0, max_iter: int = 100, restarts: int = 1) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Lloyd's algorithm from k-means++ seeds; the best of `restarts` runs, all run together.
+
+    Returns (centers (K, d), labels (N,), inertia). Restarts matter on well-separated data:
+    a seeding that puts two seeds in one cluster is a local optimum Lloyd cannot leave.
+    Each iteration is one GEMM against all restarts' centers (R*K columns).
+    """
+    n, d = x.shape
+    if n < k:
+        raise ValueError(f"num_vectors: k-means with {k} charts needs at least {k} vectors, got {n}")
     generator = torch.Generator().manual_seed(seed)
     x_sq = (x * x).sum(1)
-    centers = kmeans_plus_plus(x, k, generator)
-    labels = torch.full((x.shape[0],), -1, dtype=torch.long)
+    # Seed on a subsample: seeding reads the data once per chart, Lloyd then refines on all of it.
+    sub = torch.randperm(n, generator=generator)[: max(_SEEDING_SAMPLE, 32 * k)]
+    centers = x[sub[kmeans_plus_plus(x[sub], k, restarts, generator, x_sq[sub]).flatten()]]  # (R*K, d)
+    offset = (torch.arange(restarts) * k)[None, :]  # run r owns rows r*K .. r*K+K-1
+    labels = torch.full((n, restarts), -1, dtype=torch.long)
     for _ in range(max_iter):
-        dist = sq_distances(x, centers, x_sq)
-        new_labels = dist.argmin(1)
+        dist = sq_distances(x, centers, x_sq).view(n, restarts, k)
+        new_labels = dist.argmin(-1)  # (N, R)
         if torch.equal(new_labels, labels):
             break
         labels = new_labels
-        counts = torch.bincount(labels, minlength=k).to(x.dtype)
-        sums = torch.zeros_like(centers).index_add_(0, labels, x)
-        centers = sums / counts.clamp_min(1)[:, None]
+        members = torch.zeros(n, restarts * k, dtype=x.dtype).scatter_(1, labels + offset, 1.0)  # (N, R*K) one-hot
+        counts = members.sum(0)
+        centers = (members.T @ x) / counts.clamp_min(1)[:, None]  # member means, one GEMM for all runs
         empty = (counts == 0).nonzero().flatten()
-        if len(empty):  # re-seed an empty chart at the points farthest from their center
-            far = dist.gather(1, labels[:, None])[:, 0].topk(len(empty)).indices
-            centers[empty] = x[far]
-    dist = sq_distances(x, centers, x_sq)
-    labels = dist.argmin(1)
-    inertia = float(dist.gather(1, labels[:, None]).sum())
-    return centers, labels, inertia
+        if len(empty):  # rare: re-seed each empty chart at its run's point farthest from its center
+            own = dist.gather(2, labels[:, :, None])[:, :, 0]  # (N, R)
+            for chart in empty.tolist():
+                far = int(own[:, chart // k].argmax())
+                centers[chart] = x[far]
+                own[far, chart // k] = -1.0
+    dist = sq_distances(x, centers, x_sq).view(n, restarts, k)
+    nearest, labels = dist.min(-1)  # (N, R)
+    inertia = nearest.sum(0)  # (R,)
+    r = int(inertia.argmin())
+    return centers.view(restarts, k, d)[r], labels[:, r], float(inertia[r])
 
 
 def local_pca(members: torch.Tensor, center: torch.Tensor, m: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,14 +122,14 @@ def fit_atlas(x: torch.Tensor, config: AtlasConfig, meta: dict | None = None) ->
     is stored in the manifest."""
     if x.ndim != 2:
         raise ValueError(f"calibration activations: expected a (N, d) matrix, got shape {tuple(x.shape)}")
-    if not torch.isfinite(x).all():
+    if not torch.isfinite(x.sum()):  # any NaN/inf makes the sum non-finite; one pass, no mask
         raise ValueError("calibration activations contain NaN or inf")
     x = x.float()
     k, m = config.num_charts, config.rank
     if m > x.shape[1]:
         raise ValueError(f"rank: expected at most d={x.shape[1]} directions per chart, got {m}")
     generator = torch.Generator().manual_seed(config.seed + 1)
-    centers, labels, inertia = kmeans(x, k, config.seed, config.max_iter) if k > 1 else (
+    centers, labels, inertia = kmeans(x, k, config.seed, config.max_iter, config.restarts) if k > 1 else (
         x.mean(0, keepdim=True), torch.zeros(len(x), dtype=torch.long), 0.0)
     dist = sq_distances(x, centers)
     if k == 1:
