@@ -31,7 +31,8 @@ Releases        promote(ledger, bridge, version_id, alias="champion", reason=, f
                 rollback(ledger, bridge, model_id, reason) -> ReleaseInfo; repair(ledger, bridge) -> changes;
                 alias_holder(ledger, model_id, alias); list_releases(ledger, model_id);
                 errors: PromotionError > PromotionConflict, GateNotPassed, RollbackError
-Comparison      compare_versions(ledger, a_id, b_id) -> Comparison (.to_table(), .to_markdown(), .to_json(),
+Comparison      resolve_version(ledger, model_id_or_name, "base" | "champion" | name | "mlflow:<n>" | "#<id>");
+                compare_versions(ledger, a_id, b_id) -> Comparison (.to_table(), .to_markdown(), .to_json(),
                 .write(folder), .log_to_mlflow(bridge, run_id)); answer_churn(a, b);
                 release_history(ledger, model_id) -> [HistoryRow]; format_history(rows, markdown=False)
 """
@@ -47,6 +48,7 @@ from registry.compare import (
     compare_versions,
     format_history,
     release_history,
+    resolve_version,
 )
 from registry.db import Ledger, LedgerError, default_ledger_url, downgrade, init_db, upgrade
 from registry.lineage import (

@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from registry.db import Ledger
-from registry.lineage import get_version
-from registry.mlflow_bridge import MlflowBridge
-from registry.promotion import list_releases
+from registry.db import Ledger, LedgerError
+from registry.lineage import base_version, get_model, get_version, list_versions
+from registry.mlflow_bridge import MANAGED_ALIASES, MlflowBridge
+from registry.promotion import alias_holder, list_releases
 from registry.records import AnswerRecord, EvaluationInfo, VersionInfo
 from registry.results import get_answers, latest_evaluation
 from registry.store import atomic_write_text
@@ -175,6 +175,25 @@ def _evaluation_metrics(ev: Optional[EvaluationInfo], version: VersionInfo) -> d
     if ev.csqa_choice_churn is not None:
         metrics["csqa_choice_churn"] = ev.csqa_choice_churn
     return metrics
+
+
+def resolve_version(ledger: Ledger, model: int | str, ref: str) -> VersionInfo:
+    """A version of `model` named the way people name it on a command line:
+    'base', an alias ('champion', 'candidate'), a version name, 'mlflow:<n>' or '#<ledger id>'."""
+    info = get_model(ledger, model)
+    if ref == "base":
+        return base_version(ledger, info.id)
+    if ref in MANAGED_ALIASES:
+        holder = alias_holder(ledger, info.id, ref)
+        if holder is None:
+            raise LedgerError(f"{info.name}: nobody holds {ref!r}")
+        return holder
+    versions = list_versions(ledger, info.id)
+    matches = [v for v in versions if v.name == ref or f"#{v.id}" == ref or f"mlflow:{v.mlflow_version}" == ref]
+    if len(matches) != 1:
+        known = ", ".join(v.name for v in versions) or "none"
+        raise LedgerError(f"{info.name}: version {ref!r} matches {len(matches)} versions (known: {known})")
+    return matches[0]
 
 
 def compare_versions(ledger: Ledger, version_a: int, version_b: int) -> Comparison:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Any, Callable, Optional, TypeVar
 
 from sqlalchemy import select
@@ -124,7 +125,7 @@ def find_atlas(ledger: Ledger, content_hash: str) -> Optional[AtlasInfo]:
 
 def record_atlas(ledger: Ledger, content_hash: str, backbone_id: int, layer: int,
                  config: dict[str, Any], artifact: StoredArtifact,
-                 dataset_ids: list[int] = ()) -> AtlasInfo:  # type: ignore[assignment]
+                 dataset_ids: Sequence[int] = ()) -> AtlasInfo:
     """Record a fitted atlas; recording the same content hash again returns the first record."""
     check_sha256(content_hash, "content_hash")
     check_sha256(artifact.sha256, "atlas artifact sha256")

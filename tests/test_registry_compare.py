@@ -133,3 +133,18 @@ def test_answer_churn_counts_only_paired_questions():
     rows, found = r.answer_churn({("d", "1"): A("d", "1", "x", True)}, {("d", "2"): A("d", "2", "y", True)})
     assert found == [] and (rows[0].n, rows[0].only_in_a, rows[0].only_in_b, rows[0].churn) == (0, 1, 1, 0.0)
     assert r.answer_churn({}, {}) == ([], [])
+
+
+def test_versions_are_found_by_the_names_people_use(ledger, store):
+    model_id, base, v1, v2 = hand_made(ledger, store)
+    name = r.get_model(ledger, model_id).name
+    assert r.resolve_version(ledger, name, "base").id == base.id
+    assert r.resolve_version(ledger, model_id, v2.name).id == v2.id
+    assert r.resolve_version(ledger, model_id, f"#{v1.id}").id == v1.id
+    with pytest.raises(r.LedgerError, match="nobody holds 'champion'"):
+        r.resolve_version(ledger, model_id, "champion")
+    gate_pass(ledger, v1.id, None)
+    r.promote(ledger, None, v1.id)
+    assert r.resolve_version(ledger, model_id, "champion").id == v1.id
+    with pytest.raises(r.LedgerError, match=f"matches 0 versions .*{v2.name}"):
+        r.resolve_version(ledger, model_id, "v9")
