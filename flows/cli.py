@@ -106,6 +106,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_base(args: argparse.Namespace) -> int:
+    """Evaluate the base model on a small fixed subset of every set; build the KL caches."""
+    from atlas_core.backbone import load_backbone
+    from evaluation.contexts import retained_contexts
+    from evaluation.kl import RetainedKL
+    from evaluation.tasks import eval_csqa_choice, eval_gsm8k, eval_mbpp_plus
+
+    bb = load_backbone(args.backbone, _dtype(args.dtype))
+    layer = bb.middle_layer if args.layer == -1 else args.layer
+    code = eval_mbpp_plus(bb.model, bb.tokenizer, limit=args.limit, max_new_tokens=args.max_new_tokens).result
+    math = eval_gsm8k(bb.model, bb.tokenizer, limit=args.limit, max_new_tokens=args.max_new_tokens)
+    csqa = eval_csqa_choice(bb.model, bb.tokenizer, limit=args.limit)
+    print(f"\n{bb.name} base model, first {args.limit} problems of each set")
+    print(f"  MBPP+ (EvalPlus)  solved {code.solved}/{code.n} ({code.percent:.1f}%), base tests only {code.base_solved}/{code.n}")
+    print(f"  GSM8K test        correct {sum(a.correct for a in math.answers)}/{len(math.answers)} ({math.accuracy:.1%})")
+    print(f"  CSQA validation   correct {sum(a.correct for a in csqa.answers)}/{len(csqa.answers)} ({csqa.accuracy:.1%})")
+    for domain in ("gsm8k", "csqa"):
+        _, contexts = retained_contexts(bb.tokenizer, domain, limit=args.limit)
+        kl = RetainedKL(bb.model, bb.tokenizer, contexts, layer, progress=False)
+        reference = kl.reference()
+        check = kl.kl(reference).mean
+        print(f"  KL reference {domain:5s}  {len(contexts)} contexts, {kl.positions} positions, prefix cache at layer {layer}: "
+              f"{kl.cache_bytes() / 2**20:.1f} MiB (+ the same for the reference); KL(base || base) = {check:.1e}")
+    return 0
+
+
 def _add_fit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer", type=int, default=-1, help="decoder layer l (-1: the middle layer)")
     p.add_argument("--retained", default="gsm8k", choices=["gsm8k", "csqa"], help="retained domain of the calibration contexts")
@@ -139,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", type=int, default=16, help="GSM8K contexts for the KL check")
     p.add_argument("--b-std", type=float, default=0.01, help="std of the random B for the KL check")
     p.set_defaults(func=cmd_demo, num_vectors=1024)
+
+    p = sub.add_parser("eval-base", parents=[common], help="score the base model on a small subset of every set")
+    p.add_argument("--limit", type=int, default=16, help="first N problems of each set")
+    p.add_argument("--layer", type=int, default=-1, help="prefix-cache layer of the KL reference (-1: middle)")
+    p.add_argument("--max-new-tokens", type=int, default=384)
+    p.set_defaults(func=cmd_eval_base)
     return parser
 
 
