@@ -187,6 +187,8 @@ def train(model: nn.Module, adapter, data: TrainData, config: TrainConfig, run_d
         raise ValueError(f"run_dir: {run_dir} already holds checkpoints; pass resume=True or use a new folder")
 
     def checkpoint(epoch_end: bool) -> None:
+        nonlocal started
+        paused = time.perf_counter()
         if data.val is not None and (epoch_end or config.validate_every_checkpoint):
             state["val_losses"][str(state["step"])] = mean_loss(model, adapter, data.val, val_cache, data.pad_id,
                                                                 config.cache_batch_size)
@@ -197,6 +199,7 @@ def train(model: nn.Module, adapter, data: TrainData, config: TrainConfig, run_d
         path = write_checkpoint(run_dir, adapter, optimizer, {**state, "epoch_end": epoch_end})
         if on_checkpoint is not None:
             on_checkpoint(path, state)
+        started += time.perf_counter() - paused  # validation and checkpoint writing are not training time
 
     bar = tqdm(total=total_steps, initial=state["step"], desc="train", unit="step", disable=not config.progress)
     started = time.perf_counter() - state["seconds"]

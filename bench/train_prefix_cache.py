@@ -1,0 +1,132 @@
+"""Training throughput with the frozen-prefix cache versus without, same batches, default
+backbone (SmolLM2-135M, 30 layers) with full ATLAS at its middle layer (15), MBPP train.
+
+    .venv/bin/python bench/train_prefix_cache.py [--batches 6 --batch-size 8 --layer 15]
+
+Part 1 times each phase of a step on the same batches, cached and uncached interleaved.
+Part 2 runs `train()` end to end on a subset both ways (tokens/s from its summary; the
+one-off cache build is reported separately and amortised over 5 epochs).
+Prints a markdown section for docs/TRAINING.md.
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from atlas_core.backbone import hidden_at_layer, load_backbone  # noqa: E402
+from atlas_core.residual import ResidualConfig, build_residual  # noqa: E402
+from atlas_core.train import TrainConfig, build_caches, epoch_batches, prepare_data, train  # noqa: E402
+from atlas_core.train.adapters import ResidualAdapter  # noqa: E402
+from atlas_core.train.data import collate  # noqa: E402
+from atlas_core.train.objectives import selected_logits  # noqa: E402
+from bench.common import machine  # noqa: E402
+from bench.train_common import atlas_for, mbpp_pairs  # noqa: E402
+
+
+def timed_step(model, adapter, batch, cache, optimizer) -> dict[str, float]:
+    t = {}
+    start = time.perf_counter()
+    logits, targets = selected_logits(model, adapter, batch, cache)  # forward (cache gather included)
+    loss = torch.nn.functional.cross_entropy(logits, targets)
+    t["forward + head + loss"] = time.perf_counter() - start
+    start = time.perf_counter()
+    loss.backward()
+    t["backward"] = time.perf_counter() - start
+    start = time.perf_counter()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    t["optimizer"] = time.perf_counter() - start
+    return t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--layer", type=int, default=15)
+    parser.add_argument("--subset", type=int, default=48, help="examples in the end-to-end part")
+    args = parser.parse_args()
+
+    backbone = load_backbone("smollm2-135m")
+    model, layer = backbone.model, args.layer
+    atlas = atlas_for(backbone, layer)
+    residual = build_residual(ResidualConfig(variant="atlas", layer=layer, rank=16), model, atlas)
+    torch.nn.init.normal_(residual.B, std=1e-3)
+    adapter = ResidualAdapter(residual)
+    config = TrainConfig(batch_size=args.batch_size, progress=False)
+    data = prepare_data(backbone.tokenizer, mbpp_pairs("train"), config)
+    start = time.perf_counter()
+    cache = build_caches(model, data, layer)["train"]
+    cache_s = time.perf_counter() - start
+    optimizer = torch.optim.AdamW([residual.A, residual.B], lr=1e-5)
+
+    # ---- part 1: per-phase times on the same batches, interleaved
+    batches = epoch_batches(data.train.lengths, args.batch_size, 0, 0)[: args.batches + 1]
+    rows = {"cached": [], "uncached": [], "lower": []}
+    tokens = 0
+    for i, index in enumerate(batches):
+        batch = collate(data.train, index, data.pad_id)
+        c = timed_step(model, adapter, batch, cache, optimizer)
+        u = timed_step(model, adapter, batch, None, optimizer)
+        start = time.perf_counter()
+        hidden_at_layer(model, layer, batch.ids, batch.mask)
+        low = time.perf_counter() - start
+        if i == 0:
+            continue  # warm-up
+        rows["cached"].append(c), rows["uncached"].append(u), rows["lower"].append(low)
+        tokens += int(batch.mask.sum())
+    total = {k: sum(sum(r.values()) for r in rows[k]) for k in ("cached", "uncached")}
+    phases = list(rows["cached"][0])
+
+    # ---- part 2: train() end to end on a subset, both ways
+    subset = replace(data, train=replace(data.train, ids=data.train.ids[: args.subset],
+                                         prompt_len=data.train.prompt_len[: args.subset],
+                                         example_ids=data.train.example_ids[: args.subset]))
+    e2e = {}
+    for cached in (True, False):
+        residual2 = build_residual(ResidualConfig(variant="atlas", layer=layer, rank=16), model, atlas)
+        cfg = replace(config, epochs=1, prefix_cache=cached, lr=2e-4)
+        with tempfile.TemporaryDirectory() as tmp:
+            e2e[cached] = train(model, residual2, subset, cfg, tmp)
+    cache_subset_s = cache_s * args.subset / len(data.train)
+    epoch_c = e2e[True].seconds
+    amortised = (5 * e2e[False].seconds) / (5 * epoch_c + cache_subset_s)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    n = len(rows["cached"])
+    print(f"\n### Prefix cache: training throughput (bench/train_prefix_cache.py)\n")
+    print(f"Machine: {machine()}. Backbone smollm2-135m (30 layers, d=576), fp32, full ATLAS r=16 at layer {layer}; "
+          f"MBPP train, batch {args.batch_size}, right padding, logits only at response positions.\n")
+    print(f"Part 1: {n} steps on the same batches ({tokens:,} real tokens), cached and uncached interleaved; "
+          "median seconds per step:\n")
+    print("| phase | with prefix cache | without |")
+    print("|---|---|---|")
+    for p in phases:
+        print(f"| {p} | {statistics.median(r[p] for r in rows['cached']):.3f} | "
+              f"{statistics.median(r[p] for r in rows['uncached']):.3f} |")
+    print(f"| *(of which layers 0..{layer}, no grad)* | 0 (cached) | {statistics.median(rows['lower']):.3f} |")
+    print(f"| **total per step** | **{total['cached'] / n:.3f}** | **{total['uncached'] / n:.3f}** |")
+    print(f"| tokens/s | {tokens / total['cached']:,.0f} | {tokens / total['uncached']:,.0f} |\n")
+    print(f"Step-time ratio (uncached / cached): **{total['uncached'] / total['cached']:.2f}x**.\n")
+    print(f"Part 2: `train()` end to end, 1 epoch on {args.subset} examples "
+          f"({e2e[True].steps} steps, {e2e[True].tokens:,} tokens, validation and checkpoints off the clock):\n")
+    print("| | tokens/s | epoch time (s) |")
+    print("|---|---|---|")
+    print(f"| prefix cache | {e2e[True].tokens_per_s:,.0f} | {e2e[True].seconds:.1f} |")
+    print(f"| no cache | {e2e[False].tokens_per_s:,.0f} | {e2e[False].seconds:.1f} |\n")
+    print(f"Ratio {e2e[False].seconds / e2e[True].seconds:.2f}x per epoch. Building the cache for all "
+          f"{len(data.train)} training examples took {cache_s:.1f} s once ({cache.nbytes / 2**20:.0f} MiB fp32); "
+          f"over 5 epochs, cache build included: {amortised:.2f}x. Peak RSS of this process: {peak:,.0f} MiB.")
+
+
+if __name__ == "__main__":
+    main()
