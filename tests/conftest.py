@@ -16,17 +16,19 @@ TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_lay
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
 
+FAMILIES = ("llama", "qwen3", "qwen2", "mistral", "gemma", "gemma2", "glm4")
+
+
 def tiny_model(family: str = "llama", seed: int = 0) -> torch.nn.Module:
     """A 4-layer, d=64 causal LM of the given family with random weights."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    import transformers
+    from transformers import AutoModelForCausalLM
 
+    config_class = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
+                    "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "glm4": "Glm4Config"}[family]
+    extra = {} if family in ("llama", "qwen2", "mistral") else {"head_dim": 16}
     torch.manual_seed(seed)
-    if family == "llama":
-        config = LlamaConfig(**TINY)
-    elif family == "qwen3":
-        config = Qwen3Config(**TINY, head_dim=16)
-    else:
-        raise ValueError(family)
+    config = getattr(transformers, config_class)(**TINY, **extra, pad_token_id=0)
     return AutoModelForCausalLM.from_config(config).eval()
 
 

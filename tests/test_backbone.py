@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from atlas_core.backbone import decoder_layers, hidden_at_layer, run_from_layer
+from tests.conftest import FAMILIES, tiny_model
 
 
 def test_decoder_layers_found(tiny):
@@ -62,3 +63,15 @@ def test_run_from_layer_skips_lower_layers_and_restores_them(tiny, tokens):
 def test_bad_layer_index(tiny, tokens):
     with pytest.raises(ValueError, match="layer: expected 0 <= layer < 4"):
         hidden_at_layer(tiny, 4, *tokens)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_families_split_and_rejoin_exactly(family, tokens):
+    """Llama, Qwen2/3, Mistral, Gemma 1/2 and GLM-4: the stack is found, and running layers
+    0..l then l+1..L gives the full forward's logits."""
+    model = tiny_model(family)
+    ids, mask = tokens
+    assert len(decoder_layers(model)) == 4
+    full = model(input_ids=ids, attention_mask=mask).logits
+    h = hidden_at_layer(model, 1, ids, mask)
+    torch.testing.assert_close(run_from_layer(model, 1, h, ids, mask), full, rtol=1e-5, atol=1e-5)

@@ -92,3 +92,17 @@ def test_residual_at_the_wrong_layer_is_refused(setup):
     kl = RetainedKL(model, tok, CONTEXTS, layer=2, progress=False)
     with pytest.raises(ValueError, match="prefix cache ends at 2"):
         kl.kl(kl.reference(), residual(model, atlas, seed=0))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_reference_logits_from_final_hidden_match_the_forward(family, tokens):
+    """The reference cache keeps pre-head hidden states; the head (with Gemma 2's logit
+    soft-capping) must turn them back into exactly the model's logits."""
+    from evaluation.kl import _FinalHidden, head_logits
+    from tests.conftest import tiny_model
+
+    model = tiny_model(family)
+    ids, mask = tokens
+    with torch.no_grad(), _FinalHidden(model) as final:
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(head_logits(model, final.value), logits, rtol=0, atol=0)
