@@ -6,6 +6,9 @@ Three things every other module needs from a backbone:
   safetensors cache in the state dir so later loads take about a second).
 - `hidden_at_layer`: the output of decoder layer `l`, computing only layers 0..l.
 - `run_from_layer`: the logits given layer-`l` hidden states, computing only layers l+1..L.
+- `full_hidden` / `upper_hidden` + `head_logits`: the same forwards stopped before the LM
+  head, so that logits are computed only where they are needed (a 49k-token head costs as
+  much as several decoder layers of a small model).
 Both work on any decoder stack the model's own forward drives (Llama, Qwen2/3, Gemma, GLM,
 Mistral, ...), because they reuse that forward (masks, rotary embeddings, sliding windows)
 and only cut it short or swap lower layers for a cached result.
@@ -232,3 +235,48 @@ def run_from_layer(
         raise ValueError(f"hidden: expected shape {tuple(input_ids.shape)} + (d,), got {tuple(hidden.shape)}")
     with _lower_layers_replaced(layers, layer, hidden):
         return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
+# --------------------------------------------------------------------------- stopping before the LM head
+class _HeadReached(Exception):
+    def __init__(self, hidden: torch.Tensor):
+        self.hidden = hidden
+
+
+def _stopping_at_head(model: nn.Module, run) -> torch.Tensor:
+    """Run `run()` (a full or partial model forward) and return the LM head's input (B, T, d)."""
+
+    def grab(_module, args):
+        raise _HeadReached(args[0])
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(grab)
+    try:
+        run()
+    except _HeadReached as reached:
+        return reached.hidden
+    finally:
+        handle.remove()
+    raise RuntimeError("the model's forward never reached its output embeddings (LM head)")
+
+
+def full_hidden(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Final hidden states from the whole model (hooks attached to layers fire as usual)."""
+    return _stopping_at_head(model, lambda: model(input_ids=ids, attention_mask=mask, use_cache=False))
+
+
+def upper_hidden(model: nn.Module, layer: int, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Final hidden states given layer `layer`'s output `hidden`: only layers above it run."""
+    return _stopping_at_head(model, lambda: run_from_layer(model, layer, hidden, ids, mask))
+
+
+def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits for final hidden states (..., d), with the output transforms some families apply."""
+    logits = model.get_output_embeddings()(hidden)
+    config = _text_config(model)
+    scale = getattr(config, "logit_scale", None)  # Cohere
+    if isinstance(scale, (int, float)) and scale != 1:
+        logits = logits * scale
+    cap = getattr(config, "final_logit_softcapping", None)  # Gemma 2/3
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits

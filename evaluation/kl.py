@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from atlas_core.backbone import hidden_at_layer, run_from_layer
+from atlas_core.backbone import head_logits, hidden_at_layer, upper_hidden
 from atlas_core.residual import AtlasResidual
 
 
@@ -32,34 +32,10 @@ class KLResult:
     positions: int
 
 
-def head_logits(model: torch.nn.Module, final_hidden: torch.Tensor) -> torch.Tensor:
-    """Logits from final (post-norm) hidden states, as the model's own forward computes them."""
-    logits = model.get_output_embeddings()(final_hidden)
-    cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2 squashes its logits
-    return torch.tanh(logits / cap) * cap if cap else logits
-
-
 def kl_per_position(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """KL(p_ref || p) (..., ) in fp32 over the last (vocabulary) dimension."""
     ref_logp = F.log_softmax(ref_logits.float(), dim=-1)
     return F.kl_div(F.log_softmax(logits.float(), dim=-1), ref_logp, log_target=True, reduction="none").sum(-1)
-
-
-class _FinalHidden:
-    """Captures the LM head's input during a forward."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.value: torch.Tensor | None = None
-        self._handle = model.get_output_embeddings().register_forward_pre_hook(self._grab)
-
-    def _grab(self, _module, args):
-        self.value = args[0]
-
-    def __enter__(self) -> "_FinalHidden":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._handle.remove()
 
 
 class RetainedKL:
@@ -110,7 +86,7 @@ class RetainedKL:
 
     @torch.no_grad()
     def _upper(self, i: int, residual: AtlasResidual | None) -> torch.Tensor:
-        """Logits of batch i with `residual` (or none) at the prefix layer."""
+        """Final (pre-head) hidden states of batch i with `residual` (or none) at the prefix layer."""
         h = self.prefix()[i]
         if residual is not None:
             if residual.config.layer != self.layer:
@@ -118,18 +94,14 @@ class RetainedKL:
             h = h + residual(h)
         ids, mask = self.batches[i]
         dev = self._device()
-        return run_from_layer(self.model, self.layer, h, ids.to(dev), mask.to(dev))
+        return upper_hidden(self.model, self.layer, h, ids.to(dev), mask.to(dev))
 
     @torch.no_grad()
     def reference(self, residual: AtlasResidual | None = None) -> list[torch.Tensor]:
         """The reference's final hidden states per batch: the base model, or a released
         version given by its residual."""
-        out = []
-        for i in tqdm(range(len(self.batches)), desc="KL reference", disable=not self.progress):
-            with _FinalHidden(self.model) as final:
-                self._upper(i, residual)
-            out.append(final.value)
-        return out
+        return [self._upper(i, residual) for i in tqdm(range(len(self.batches)), desc="KL reference",
+                                                         disable=not self.progress)]
 
     @torch.no_grad()
     def kl(self, reference: list[torch.Tensor], residual: AtlasResidual | None = None) -> KLResult:
@@ -141,7 +113,7 @@ class RetainedKL:
         total, row = 0.0, 0
         for i in tqdm(range(len(self.batches)), desc="KL", disable=not self.progress):
             _, mask = self.batches[i]
-            logits = self._upper(i, residual)
+            logits = head_logits(self.model, self._upper(i, residual))
             kl = kl_per_position(head_logits(self.model, reference[i]), logits).cpu() * mask  # (B, T)
             total += float(kl.sum())
             per_context[self.order[row : row + len(mask)]] = kl.sum(1) / mask.sum(1)

@@ -98,11 +98,12 @@ def test_residual_at_the_wrong_layer_is_refused(setup):
 def test_reference_logits_from_final_hidden_match_the_forward(family, tokens):
     """The reference cache keeps pre-head hidden states; the head (with Gemma 2's logit
     soft-capping) must turn them back into exactly the model's logits."""
-    from evaluation.kl import _FinalHidden, head_logits
+    from atlas_core.backbone import full_hidden, head_logits
     from tests.conftest import tiny_model
 
     model = tiny_model(family)
     ids, mask = tokens
-    with torch.no_grad(), _FinalHidden(model) as final:
+    with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits
-    torch.testing.assert_close(head_logits(model, final.value), logits, rtol=0, atol=0)
+        final = full_hidden(model, ids, mask)
+    torch.testing.assert_close(head_logits(model, final), logits, rtol=0, atol=0)

@@ -14,52 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..backbone import hidden_at_layer, run_from_layer
+from ..backbone import full_hidden, head_logits, hidden_at_layer, upper_hidden
 from .data import TokenizedSet, collate
 
-
-class _HeadReached(Exception):
-    def __init__(self, hidden: torch.Tensor):
-        self.hidden = hidden
-
-
-def _stopping_at_head(model: nn.Module, run) -> torch.Tensor:
-    """Run `run()` (a full or partial model forward) and return the LM head's input (B, T, d)."""
-
-    def grab(_module, args):
-        raise _HeadReached(args[0])
-
-    handle = model.get_output_embeddings().register_forward_pre_hook(grab)
-    try:
-        run()
-    except _HeadReached as reached:
-        return reached.hidden
-    finally:
-        handle.remove()
-    raise RuntimeError("the model's forward never reached its output embeddings (LM head)")
-
-
-def full_hidden(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Final hidden states from the whole model (hooks attached to layers fire as usual)."""
-    return _stopping_at_head(model, lambda: model(input_ids=ids, attention_mask=mask, use_cache=False))
-
-
-def upper_hidden(model: nn.Module, layer: int, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Final hidden states given layer `layer`'s output `hidden`: only layers above it run."""
-    return _stopping_at_head(model, lambda: run_from_layer(model, layer, hidden, ids, mask))
-
-
-def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """Logits for final hidden states (..., d), with the output transforms some families apply."""
-    logits = model.get_output_embeddings()(hidden)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    scale = getattr(config, "logit_scale", None)  # Cohere
-    if isinstance(scale, (int, float)) and scale != 1:
-        logits = logits * scale
-    cap = getattr(config, "final_logit_softcapping", None)  # Gemma 2/3
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+__all__ = ["PrefixCache", "full_hidden", "head_logits", "upper_hidden"]  # the head-less forwards live in backbone
 
 
 @dataclass
