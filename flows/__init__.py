@@ -1,0 +1,16 @@
+"""Prefect flows that compose atlas_core, evaluation and registry into the update cycle.
+
+    update            the whole cycle (flows/update.py)
+      refresh_atlas   reuse or fit the retained atlas (flows/refresh.py)
+      train_skill     train the policy's candidates, checkpoints recorded as they appear (flows/training.py)
+      evaluate_candidate  target score, retained KL, answers, churn (flows/evaluate.py)
+      gate / promote  release policy checks, selection, champion move (flows/release.py)
+    rollback          move champion back (flows/release.py)
+
+Configs: flows/config.py (UpdateConfig, configs/update/), flows/policy.py (ReleasePolicy,
+configs/policy/). Where state lives: flows/platform.py. Importing this package points
+Prefect's home at the project state folder (unless PREFECT_HOME is set).
+"""
+from .platform import configure_environment
+
+configure_environment()

@@ -1,0 +1,167 @@
+"""What one update cycle runs on: backbone, skill data, evaluation subsets, atlas, training.
+
+`load_update_config("configs/update/default.yaml", backbone=..., skill=...)` parses and
+validates a file (see configs/update/ for commented examples); the release policy (which
+candidates to train and the gate thresholds) is a separate file (flows/policy.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from atlas_core.atlas import ATLAS_VARIANTS
+from atlas_core.paths import PROJECT_ROOT
+from evaluation.contexts import RETAINED_DOMAINS
+
+from .schema import ConfigError, build, field, load_yaml
+
+SCORERS = ("mbpp-plus", "response-match")
+DTYPES = ("float32", "bfloat16")
+EVALUATE = ("epoch-ends", "all")
+
+
+def _positive(obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{name}: expected a positive integer (or null where allowed), got {value!r}")
+
+
+@dataclass
+class SkillData:
+    source: str = field("Where the skill's (prompt, response) pairs come from: 'mbpp' (sanitized MBPP train/validation) "
+                        "or a JSONL skill file (evaluation/userdata.py schema); 'tiny' is a built-in toy set for tests.", "mbpp")
+    val_source: str | None = field("JSONL file of validation pairs (for a JSONL source; 'mbpp' uses its validation split).", None)
+    train_limit: int | None = field("First N training pairs (null: all).", None)
+    val_limit: int | None = field("First N validation pairs (null: all; 0 is not allowed, use null for none).", 16)
+
+    def __post_init__(self) -> None:
+        _positive(self, "train_limit", "val_limit")
+
+
+@dataclass
+class TargetSpec:
+    scorer: str = field(f"Target scorer, one of {SCORERS}: EvalPlus pass@1 on MBPP+ test problems, or teacher-forced "
+                        "agreement with the reference responses of held-out skill pairs (for skills without tests).",
+                        "mbpp-plus")
+    limit: int | None = field("First N evaluation problems (null: all 224 MBPP+ test problems).", 16)
+    max_new_tokens: int = field("Greedy generation budget per problem.", 256)
+    batch_size: int = field("Prompts per generation batch.", 8)
+    threshold: float = field("response-match: share of reference tokens the model must predict to solve a problem.", 0.9)
+
+    def __post_init__(self) -> None:
+        if not self.scorer:
+            raise ConfigError("scorer: expected a scorer name (see flows.components.SCORER_FACTORIES)")
+        _positive(self, "limit", "max_new_tokens", "batch_size")
+        if not 0 < self.threshold <= 1:
+            raise ConfigError(f"threshold: expected a value in (0, 1], got {self.threshold!r}")
+
+
+@dataclass
+class RetainedSpec:
+    domains: list[str] = field(f"Retained domains watched by the gates, from {RETAINED_DOMAINS}.",
+                               factory=lambda: list(RETAINED_DOMAINS))
+    kl_contexts: int = field("Teacher-forced contexts per domain for retained KL (first N of GSM8K test / CSQA validation).", 128)
+    kl_max_tokens: int = field("Contexts are cut to this many tokens for retained KL.", 1024)
+    gsm8k_questions: int = field("GSM8K test questions answered by generation (answer churn, NFR).", 16)
+    csqa_questions: int = field("CSQA validation questions answered by conditional choice (choice churn, NFR).", 64)
+    max_new_tokens: int = field("Generation budget per GSM8K answer.", 192)
+    batch_size: int = field("Prompts per batch for GSM8K generation and CSQA choice.", 8)
+    replay_examples: int = field("Retained training texts (GSM8K train) for the Replay and Output-KL objectives.", 128)
+
+    def __post_init__(self) -> None:
+        bad = [d for d in self.domains if d not in RETAINED_DOMAINS]
+        if bad or not self.domains or len(set(self.domains)) != len(self.domains):
+            raise ConfigError(f"domains: expected distinct names from {RETAINED_DOMAINS}, got {self.domains!r}")
+        _positive(self, "kl_contexts", "kl_max_tokens", "gsm8k_questions", "csqa_questions", "max_new_tokens", "batch_size",
+                  "replay_examples")
+
+
+@dataclass
+class AtlasSpec:
+    num_vectors: int = field("N calibration vectors (spread evenly over the retained domains).", 1024)
+    per_example: int = field("Positions sampled per retained example.", 2)
+    charts: int = field("K charts.", 32)
+    rank: int = field("m directions per chart.", 16)
+    seed: int = field("Seed of position sampling and k-means++.", 0)
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_vectors", "per_example", "charts", "rank")
+
+
+@dataclass
+class TrainOverrides:
+    configs_dir: str = field("Folder of the per-method run configs (<method>.yaml), relative to the project.", "configs/train")
+    epochs: int | None = field("Override train.epochs of every method (null: keep the method's).", 2)
+    lr: float | None = field("Override train.lr (null: keep).", None)
+    batch_size: int | None = field("Override train.batch_size (null: keep).", None)
+    max_length: int | None = field("Override train.max_length (null: keep).", 768)
+    on_bad_example: str | None = field("Override train.on_bad_example: raise | skip | truncate (null: keep).", "truncate")
+    checkpoint_every_steps: int | None = field("Override train.checkpoint_every_steps (null: keep).", None)
+
+    def __post_init__(self) -> None:
+        _positive(self, "epochs", "batch_size", "max_length")
+        if self.lr is not None and not self.lr > 0:
+            raise ConfigError(f"lr: expected a positive number, got {self.lr!r}")
+
+
+@dataclass
+class UpdateConfig:
+    name: str = field("A label for this configuration (shown in reports).", "default")
+    backbone: str = field("Backbone alias, local folder or cached hub id; 'tiny-llama' is a random toy model for tests.",
+                          "smollm2-135m")
+    dtype: str = field(f"Model dtype, one of {DTYPES}.", "bfloat16")
+    skill: str = field("Name of the skill being added (the registered model is '<backbone>.<skill>').", "code")
+    layer: int = field("Decoder layer l of the residual / LoRA (-1: the middle layer).", -1)
+    evaluate: str = field(f"Which checkpoints become candidates, one of {EVALUATE}.", "epoch-ends")
+    data: SkillData = field("Skill training data.", factory=SkillData)
+    target: TargetSpec = field("Target (skill) scoring.", factory=TargetSpec)
+    retained: RetainedSpec = field("Retained domains and their evaluation subsets.", factory=RetainedSpec)
+    atlas: AtlasSpec = field("Atlas fitted on retained contexts (content-addressed, reused when nothing changed).",
+                             factory=AtlasSpec)
+    train: TrainOverrides = field("Training settings applied to every candidate method.", factory=TrainOverrides)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
+        if self.evaluate not in EVALUATE:
+            raise ConfigError(f"evaluate: expected one of {EVALUATE}, got {self.evaluate!r}")
+        if self.layer < -1:
+            raise ConfigError(f"layer: expected -1 (middle) or a layer index >= 0, got {self.layer!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def eval_key(self) -> str:
+        """Identity of what an evaluation measures: a stored evaluation is reused only if it matches."""
+        return digest({"target": asdict(self.target), "retained": asdict(self.retained), "data": asdict(self.data)})
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def resolve(path: str | Path) -> Path:
+    """A config path as given, else relative to the project root (deployments run elsewhere)."""
+    path = Path(path).expanduser()
+    return path if path.is_absolute() or path.exists() else PROJECT_ROOT / path
+
+
+def load_update_config(path: str | Path | None = None, **overrides) -> UpdateConfig:
+    """Parse and validate an update config; keyword overrides (None ignored) replace top-level fields."""
+    data = load_yaml(resolve(path)) if path is not None else {}
+    try:
+        config = build(UpdateConfig, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e
+    return replace(config, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def atlas_variants_for(methods: list[str]) -> list[str]:
+    """Atlas variants the candidate methods need (e.g. full ATLAS: 'local'; Weight-LoRA: none)."""
+    from atlas_core.residual import RESIDUAL_VARIANTS
+
+    needed = {RESIDUAL_VARIANTS.get(m) for m in methods} - {None}
+    return [v for v in ATLAS_VARIANTS if v in needed]

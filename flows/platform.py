@@ -1,0 +1,81 @@
+"""Where a cycle keeps its records: ledger, artifact store and MLflow, from the environment.
+
+Embedded default (nothing to start): everything under the state folder
+(`atlas_core.paths.state_dir()`, i.e. `$ATLAS_STATE_DIR` or `.atlas_state/`):
+    ledger.db              the release ledger (SQLite)
+    artifacts/             the content-addressed artifact store
+    mlflow/mlflow.db       MLflow tracking + registry (SQLite), mlflow/artifacts/
+    prefect/               Prefect's home and its SQLite database (local mode)
+    runs/, reports/        training run folders, cycle reports
+
+Multi-host: the same code with URLs in the environment (see docs/FLOWS.md):
+    ATLAS_LEDGER_URL              e.g. postgresql://atlas@db:5432/atlas
+    ATLAS_ARTIFACT_STORE          a shared folder or fsspec URL (s3://bucket/atlas)
+    ATLAS_MLFLOW_TRACKING_URI     e.g. http://mlflow:5000 (registry on the same server)
+    ATLAS_MLFLOW_ARTIFACT_ROOT    default mlflow-artifacts:/atlas (proxied by the server)
+    PREFECT_API_URL               a Prefect server; unset means Prefect's local mode
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from atlas_core.paths import state_dir
+
+
+def configure_environment() -> Path:
+    """Settings every entry point needs before Prefect or MLflow are imported; returns the state dir."""
+    state = state_dir()
+    os.environ.setdefault("PREFECT_HOME", str(state / "prefect"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched from a model hub at run time
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return state
+
+
+@dataclass
+class Platform:
+    state: Path
+    ledger: object  # registry.Ledger
+    store: object  # registry.ArtifactStore
+    bridge: object  # registry.MlflowBridge
+
+    def describe(self) -> dict[str, str]:
+        return {"state": str(self.state), "ledger": _hide_password(self.ledger.url),
+                "artifacts": self.store.root_url, "mlflow": self.bridge.config.tracking_uri}
+
+    def close(self) -> None:
+        self.ledger.close()
+
+
+def _hide_password(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def mlflow_config(state: Path):
+    from registry import MlflowConfig
+
+    url = os.environ.get("ATLAS_MLFLOW_TRACKING_URI")
+    if url:
+        return MlflowConfig.server(url, os.environ.get("ATLAS_MLFLOW_ARTIFACT_ROOT", "mlflow-artifacts:/atlas"))
+    return MlflowConfig.local(state)
+
+
+def open_platform() -> Platform:
+    """Open (creating or migrating as needed) the ledger, the store and the MLflow bridge."""
+    from registry import ArtifactStore, MlflowBridge, default_ledger_url, init_db
+
+    state = configure_environment()
+    config = mlflow_config(state)
+    # MLflow's global default is ./mlruns or ./mlflow.db in the working folder; pin it so
+    # that nothing (plugins, artifact helpers) ever writes there.
+    os.environ["MLFLOW_TRACKING_URI"] = config.tracking_uri
+    os.environ["MLFLOW_REGISTRY_URI"] = config.registry_uri or config.tracking_uri
+    ledger = init_db(os.environ.get("ATLAS_LEDGER_URL") or default_ledger_url(state))
+    store = ArtifactStore(os.environ.get("ATLAS_ARTIFACT_STORE") or state / "artifacts")
+    return Platform(state, ledger, store, MlflowBridge(config))

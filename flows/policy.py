@@ -1,0 +1,152 @@
+"""Release policies: which candidates a cycle trains and the thresholds a release must meet.
+
+A policy is a YAML file (configs/policy/); `load_policy(path, domains)` validates it and
+checks that it sets a threshold for every retained domain the cycle watches, so a domain
+cannot go unguarded by omission. The checks themselves are in flows/gates.py.
+
+Negative-flip rates are judged by a one-sided upper confidence bound on the rate, not by
+the observed rate: with 16 questions and 0 flips the Wilson 95% upper bound is 0.145, so
+a small evaluation cannot pass a strict NFR limit by luck.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from statistics import NormalDist
+
+from .config import digest, resolve
+from .schema import ConfigError, build, field, load_yaml
+
+BOUNDS = ("wilson", "clopper-pearson")
+SELECTION = ("lowest-kl-vs-champion", "lowest-kl-vs-base")
+
+
+@dataclass
+class Candidates:
+    methods: list[str] = field("Methods to train: names of run configs in the update config's train.configs_dir "
+                               "(e.g. atlas, weight-lora, replay, output-kl-0.3).", factory=lambda: ["atlas"])
+    seeds: list[int] = field("Seeds; every method is trained once per seed.", factory=lambda: [0])
+
+    def __post_init__(self) -> None:
+        if not self.methods or len(set(self.methods)) != len(self.methods):
+            raise ConfigError(f"methods: expected a non-empty list of distinct names, got {self.methods!r}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ConfigError(f"seeds: expected a non-empty list of distinct integers, got {self.seeds!r}")
+
+
+@dataclass
+class NfrLimits:
+    bound: str = field(f"One-sided upper confidence bound on the negative-flip rate, one of {BOUNDS}.", "wilson")
+    confidence: float = field("Confidence level of the one-sided bound.", 0.95)
+    max_vs_champion: dict[str, float] = field("Per domain: largest allowed upper bound of NFR against the champion.",
+                                              factory=dict)
+    max_vs_base: dict[str, float] = field("Per domain: largest allowed upper bound of NFR against the base model.",
+                                          factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.bound not in BOUNDS:
+            raise ConfigError(f"bound: expected one of {BOUNDS}, got {self.bound!r}")
+        if not 0.5 <= self.confidence < 1:
+            raise ConfigError(f"confidence: expected a value in [0.5, 1), got {self.confidence!r}")
+        for name in ("max_vs_champion", "max_vs_base"):
+            for domain, value in getattr(self, name).items():
+                if not 0 <= value <= 1:
+                    raise ConfigError(f"{name}.{domain}: expected a rate in [0, 1], got {value!r}")
+
+    def upper(self, flips: int, n: int) -> float:
+        return nfr_upper_bound(flips, n, self.confidence, self.bound)
+
+
+@dataclass
+class ReleasePolicy:
+    name: str = field("Policy name, recorded with every gate decision (with a hash of the whole policy).", "default")
+    candidates: Candidates = field("What the cycle trains (method x seed).", factory=Candidates)
+    min_target_gain: int = field("Solved target problems a candidate must add over the champion (0: no regression).", 1)
+    max_kl_vs_champion: dict[str, float] = field("Per domain: largest retained KL (nats/token) against the champion.",
+                                                 factory=dict)
+    max_kl_vs_base: dict[str, float] = field("Per domain: largest retained KL (nats/token) against the base model.",
+                                             factory=dict)
+    nfr: NfrLimits = field("Negative-flip-rate limits (upper confidence bounds).", factory=NfrLimits)
+    max_csqa_choice_churn: float | None = field("Largest share of CSQA questions whose chosen option changed against the "
+                                                "champion (null: not checked; only when csqa is watched).", None)
+    selection: str = field(f"Among passing checkpoints, pick by {SELECTION} (mean over domains).", "lowest-kl-vs-champion")
+
+    def __post_init__(self) -> None:
+        if self.min_target_gain < 0:
+            raise ConfigError(f"min_target_gain: expected an integer >= 0, got {self.min_target_gain!r}")
+        for name in ("max_kl_vs_champion", "max_kl_vs_base"):
+            for domain, value in getattr(self, name).items():
+                if not (math.isfinite(value) and value >= 0):
+                    raise ConfigError(f"{name}.{domain}: expected a finite number >= 0, got {value!r}")
+        if self.max_csqa_choice_churn is not None and not 0 <= self.max_csqa_choice_churn <= 1:
+            raise ConfigError(f"max_csqa_choice_churn: expected a share in [0, 1], got {self.max_csqa_choice_churn!r}")
+        if self.selection not in SELECTION:
+            raise ConfigError(f"selection: expected one of {SELECTION}, got {self.selection!r}")
+
+    def require_domains(self, domains: list[str]) -> None:
+        """Every watched domain needs every per-domain threshold (fail closed on omissions)."""
+        for name, limits in (("max_kl_vs_champion", self.max_kl_vs_champion), ("max_kl_vs_base", self.max_kl_vs_base),
+                             ("nfr.max_vs_champion", self.nfr.max_vs_champion), ("nfr.max_vs_base", self.nfr.max_vs_base)):
+            missing = [d for d in domains if d not in limits]
+            if missing:
+                raise ConfigError(f"{name}: no threshold for watched domain(s) {missing}; set one for each of {domains}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def hash(self) -> str:
+        return digest(self.to_dict())
+
+    @property
+    def label(self) -> str:
+        """What the ledger records as the policy name: readable, and different when any threshold changed."""
+        return f"{self.name}@{self.hash[:10]}"
+
+
+def load_policy(path: str | Path, domains: list[str] | None = None) -> ReleasePolicy:
+    """Parse and validate a policy file; with `domains`, require thresholds for each of them."""
+    try:
+        policy = build(ReleasePolicy, load_yaml(resolve(path)))
+        if domains is not None:
+            policy.require_domains(domains)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e
+    return policy
+
+
+# ------------------------------------------------------------------------ confidence bounds
+def wilson_upper(k: int, n: int, confidence: float = 0.95) -> float:
+    """One-sided Wilson score upper bound of a binomial rate k/n."""
+    if n <= 0:
+        return math.nan
+    z = NormalDist().inv_cdf(confidence)
+    p = k / n
+    centre = p + z * z / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return min(1.0, (centre + spread) / (1 + z * z / n))
+
+
+def clopper_pearson_upper(k: int, n: int, confidence: float = 0.95) -> float:
+    """One-sided exact (Clopper-Pearson) upper bound: the p with P(X <= k | n, p) = 1 - confidence."""
+    if n <= 0:
+        return math.nan
+    if k >= n:
+        return 1.0
+    alpha = 1 - confidence
+
+    def cdf(p: float) -> float:
+        return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k + 1))
+
+    lo, hi = k / n, 1.0
+    for _ in range(100):  # cdf falls monotonically in p; bisection to ~1e-30
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) > alpha else (lo, mid)
+    return hi
+
+
+def nfr_upper_bound(flips: int, n: int, confidence: float = 0.95, bound: str = "wilson") -> float:
+    if bound not in BOUNDS:
+        raise ValueError(f"bound: expected one of {BOUNDS}, got {bound!r}")
+    return (wilson_upper if bound == "wilson" else clopper_pearson_upper)(flips, n, confidence)

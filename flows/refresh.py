@@ -1,0 +1,103 @@
+"""refresh_atlas: reuse the stored atlas with the same content hash, or extract, fit, store, record.
+
+The content hash covers everything the atlas is a function of: backbone id and revision,
+layer, the retained data files (sha256) and how many examples of each, and the atlas
+config. Any change gives a new hash and a new fit; otherwise the stored file is fetched
+(sha256-verified) and loaded.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from .components import retained_data_files
+from .config import digest
+from .cycle import Cycle, fetch_verified
+
+
+def atlas_plan(cycle: Cycle, variant: str) -> dict:
+    """What the atlas is a function of (hashed into its content hash)."""
+    from evaluation.datafiles import known
+
+    spec, domains = cycle.config.atlas, cycle.config.retained.domains
+    per_domain = math.ceil(math.ceil(spec.num_vectors / spec.per_example) / len(domains))
+    files = retained_data_files(domains)
+    return {"backbone": cycle.backbone.name, "revision": cycle.backbone.revision, "layer": cycle.layer,
+            "variant": variant, "config": asdict(spec),
+            "data": {d: {"file": files[d], "sha256": known(files[d]).sha256, "examples": per_domain} for d in domains}}
+
+
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def find_stored_atlas(cycle: Cycle, content_hash: str):
+    """The recorded atlas with this hash, fetched and verified, or None."""
+    from atlas_core.atlas import Atlas
+    from registry import find_atlas
+
+    info = find_atlas(cycle.ledger, content_hash)
+    if info is None:
+        return None
+    path = fetch_verified(cycle, info.artifact_sha256, info.config["manifest_sha256"], "atlas")
+    return info.id, Atlas.load(path), path
+
+
+@task(cache_policy=NO_CACHE)
+def extract_calibration(cycle: Cycle, plan: dict):
+    """Layer-l activations of the retained contexts (only layers 0..l run)."""
+    from atlas_core.extract import sample_activations
+    from evaluation.contexts import retained_contexts
+
+    bb, spec = cycle.backbone, cycle.config.atlas
+    texts = []
+    for domain, info in plan["data"].items():
+        texts += retained_contexts(bb.tokenizer, domain, limit=info["examples"])[1]
+    return sample_activations(bb.model, bb.tokenizer, texts, cycle.layer, spec.num_vectors, spec.per_example, spec.seed)
+
+
+@task(cache_policy=NO_CACHE)
+def fit_and_save(cycle: Cycle, x, plan: dict, content_hash: str) -> Path:
+    from atlas_core.atlas import AtlasConfig, fit_atlas
+
+    spec = cycle.config.atlas
+    config = AtlasConfig(num_charts=spec.charts, rank=spec.rank, variant=plan["variant"], num_vectors=spec.num_vectors,
+                         per_example=spec.per_example, seed=spec.seed)
+    atlas = fit_atlas(x, config, meta={**plan, "content_hash": content_hash})
+    path = cycle.platform.state / "atlases" / f"{content_hash[:16]}-{plan['variant']}.safetensors"
+    atlas.save(path)
+    return path
+
+
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def store_and_record(cycle: Cycle, path: Path, plan: dict, content_hash: str):
+    """Put the atlas and its manifest in the store, then record it (idempotent by content hash)."""
+    from atlas_core.atlas import Atlas
+    from registry import ensure_dataset, record_atlas
+
+    store = cycle.platform.store
+    artifact, manifest = store.put_file(path), store.put_file(path.with_suffix(".json"))
+    datasets = [ensure_dataset(cycle.ledger, d, info["file"], info["sha256"]) for d, info in plan["data"].items()]
+    info = record_atlas(cycle.ledger, content_hash, cycle.backbone_id, cycle.layer,
+                        {**plan, "manifest_sha256": manifest.sha256}, artifact, datasets)
+    return info.id, Atlas.load(path), path
+
+
+@flow(name="refresh_atlas", validate_parameters=False)
+def refresh_atlas(cycle: Cycle, variant: str = "local") -> int:
+    """The atlas of this backbone x layer x retained data x config: reused when stored, else fitted."""
+    log = get_run_logger()
+    plan = atlas_plan(cycle, variant)
+    content_hash = digest(plan)
+    found = find_stored_atlas(cycle, content_hash)
+    if found is None:
+        x = extract_calibration(cycle, plan)
+        found = store_and_record(cycle, fit_and_save(cycle, x, plan, content_hash), plan, content_hash)
+        log.info(f"atlas {variant}: fitted and stored (content hash {content_hash[:12]})")
+    else:
+        log.info(f"atlas {variant}: reused stored atlas {found[0]} (content hash {content_hash[:12]})")
+    atlas_id, atlas, path = found
+    cycle.atlases[atlas.sha256] = atlas
+    cycle.atlas_ids[variant] = (atlas_id, atlas, path)
+    return atlas_id

@@ -1,0 +1,129 @@
+"""gate, promote and rollback.
+
+`gate` runs the policy's checks on every candidate, records each decision with every
+threshold, measured value and verdict, and selects among the passing ones. `promote`
+publishes the selected version to MLflow and moves `champion` in one ledger transaction
+(refused if another cycle moved it since the gate measured against it). `rollback` moves
+`champion` back to the previous holder with a recorded reason.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from .cycle import Cycle
+from .gates import CandidateMetrics, passed, run_checks, select
+
+
+@dataclass
+class GateOutcome:
+    checks: dict[int, list] = field(default_factory=dict)  # version id -> [GateCheckRecord]
+    decisions: dict[int, int] = field(default_factory=dict)  # version id -> gate decision id
+    selected: Optional[CandidateMetrics] = None
+
+    def verdict(self, version_id: int) -> bool:
+        return passed(self.checks.get(version_id, []))
+
+
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def record_decision(cycle: Cycle, m: CandidateMetrics, checks: list, champion_id: Optional[int]) -> int:
+    """Record the verdict, unless this exact decision (evaluation, champion, policy) is already recorded."""
+    from registry import latest_gate_decision, record_gate_decision
+
+    last = latest_gate_decision(cycle.ledger, m.version_id)
+    if (last is not None and last.evaluation_id == m.evaluation_id and last.release_version_id == champion_id
+            and last.policy_name == cycle.policy.label and last.evaluation_id is not None):
+        return last.id
+    info = record_gate_decision(cycle.ledger, m.version_id, cycle.policy.label,
+                                cycle.policy.to_dict() | {"hash": cycle.policy.hash}, checks,
+                                evaluation_id=m.evaluation_id, release_version_id=champion_id,
+                                flow_run_id=cycle.flow_run_id)
+    return info.id
+
+
+@task(cache_policy=NO_CACHE, retries=3, retry_delay_seconds=3)
+def publish(cycle: Cycle, version_id: int) -> str:
+    """The version as an MLflow model version (created once) with its current gate verdict as tags."""
+    from registry import publish_version, sync_version_tags
+
+    p = cycle.platform
+    number = publish_version(p.ledger, p.store, p.bridge, version_id)
+    sync_version_tags(p.ledger, p.bridge, version_id)
+    return number
+
+
+@flow(name="gate", validate_parameters=False)
+def gate(cycle: Cycle, candidates: list[CandidateMetrics], champion_id: Optional[int]) -> GateOutcome:
+    """Check every candidate against the policy (fail closed), record each decision, select one.
+
+    `champion_id`: the version holding `champion` (None: nobody yet, the base model serves)."""
+    log = get_run_logger()
+    out = GateOutcome()
+    for m in candidates:
+        out.checks[m.version_id] = run_checks(m, cycle.policy)
+        out.decisions[m.version_id] = record_decision(cycle, m, out.checks[m.version_id], champion_id)
+        failed = [c.name for c in out.checks[m.version_id] if not c.passed]
+        log.info(f"{m.name}: {'PASS' if not failed else 'REJECT (' + ', '.join(failed) + ')'}")
+        publish(cycle, m.version_id)
+    out.selected = select(candidates, {v: out.verdict(v) for v in out.checks}, cycle.policy)
+    return out
+
+
+def _retry_unless_refused(task, task_run, state) -> bool:
+    """A refused promotion (lost race, gate not passed) stays refused; other errors may be transient."""
+    from registry import PromotionError
+
+    try:
+        state.result()
+    except PromotionError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=_retry_unless_refused)
+def move_champion(cycle: Cycle, version_id: int, reason: str):
+    from registry import promote as registry_promote
+
+    return registry_promote(cycle.ledger, cycle.platform.bridge, version_id, reason=reason,
+                            flow_run_id=cycle.flow_run_id)
+
+
+@flow(name="promote", validate_parameters=False)
+def promote(cycle: Cycle, version_id: int, reason: str):
+    """Make a gated version the champion; a lost race is reported, not raised (the other cycle won)."""
+    from registry import PromotionConflict
+
+    publish(cycle, version_id)
+    try:
+        return move_champion(cycle, version_id, reason)
+    except PromotionConflict as e:
+        get_run_logger().warning(f"not promoted: {e}")
+        return None
+
+
+@flow(name="rollback", validate_parameters=False)
+def rollback(model: str, reason: str):
+    """Move `champion` of a registered model (name or ledger id) back to its previous holder."""
+    from registry import get_model, get_version, rollback as registry_rollback
+
+    from .platform import open_platform
+
+    p = open_platform()
+    try:
+        info = get_model(p.ledger, int(model) if str(model).isdigit() else model)
+        release = registry_rollback(p.ledger, p.bridge, info.id, reason, flow_run_id=_flow_run_id())
+        get_run_logger().info(f"{info.name}: champion is now {get_version(p.ledger, release.version_id).name}")
+        return release
+    finally:
+        p.close()
+
+
+def _flow_run_id() -> Optional[str]:
+    from prefect.runtime import flow_run
+
+    return flow_run.id

@@ -1,0 +1,107 @@
+"""The cycle report: markdown with the gate tables, the comparison with the champion and two plots.
+
+Written atomically into `<state>/reports/<model>/<time>-<flow run>/` (report.md, gate.json,
+tradeoff.png, churn.png); `<state>/reports/<model>/LATEST` names the newest folder.
+"""
+from __future__ import annotations
+
+import json
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .gates import CandidateMetrics
+
+
+def _num(v, digits: int = 4) -> str:
+    if v is None:
+        return "missing"
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return f"{v:.{digits}g}" if isinstance(v, float) else str(v)
+
+
+def summary_table(candidates: list[CandidateMetrics], outcome, selected_id) -> list[str]:
+    domains = sorted({d for c in candidates for d in c.kl_vs_base})
+    head = ["candidate", "target"] + [f"KL vs champion [{d}]" for d in domains] + [f"KL vs base [{d}]" for d in domains]
+    head += ["verdict"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in candidates:
+        verdict = "**selected**" if c.version_id == selected_id else ("pass" if outcome.verdict(c.version_id) else "reject")
+        row = [c.name, f"{_num(c.target_solved)}/{c.target_total}"]
+        row += [_num(c.kl_vs_champion.get(d)) for d in domains] + [_num(c.kl_vs_base.get(d)) for d in domains]
+        lines.append("| " + " | ".join(row + [verdict]) + " |")
+    return lines
+
+
+def check_tables(candidates: list[CandidateMetrics], outcome) -> list[str]:
+    lines = []
+    for c in candidates:
+        decision = outcome.decisions.get(c.version_id)
+        lines += ["", f"#### {c.name} (gate decision {decision}: {'PASS' if outcome.verdict(c.version_id) else 'REJECT'})",
+                  "", "| check | threshold | measured | result | detail |", "|---|---:|---:|---|---|"]
+        for ch in outcome.checks.get(c.version_id, []):
+            lines.append(f"| {ch.name} | {_num(ch.threshold)} | {_num(ch.measured)} | "
+                         f"{'pass' if ch.passed else '**FAIL**'} | {ch.detail.replace('|', '/')} |")
+    return lines
+
+
+def plots(folder: Path, candidates: list[CandidateMetrics]) -> list[str]:
+    """tradeoff.png (target vs mean retained KL to the base) and churn.png (flips vs champion)."""
+    from evaluation.compare import Checkpoint
+    from evaluation.plots import churn_bars, tradeoff_plot
+
+    made = []
+    points = [Checkpoint(c.method, c.seed, float(c.target_solved), c.mean_kl("kl_vs_base"), c.name)
+              for c in candidates if c.target_solved is not None and 0 < c.mean_kl("kl_vs_base") < math.inf]
+    if points:
+        tradeoff_plot(points, folder / "tradeoff.png", kl_label="mean retained KL vs base (nats/token)",
+                      level_label="target problems solved")
+        made.append("tradeoff.png")
+    churn = {}
+    for c in candidates:
+        if c.flips_vs_champion:
+            fl = c.flips_vs_champion.values()
+            churn[c.name] = {"n": sum(f.n for f in fl), "F": sum(f.F for f in fl), "G": sum(f.G for f in fl),
+                             "W": sum(f.W for f in fl)}
+    if churn:
+        churn_bars(churn, folder / "churn.png", title="Answer churn vs the champion (all watched domains)")
+        made.append("churn.png")
+    return made
+
+
+def write_report(folder: Path, header: dict, outcome_text: str, candidates: list[CandidateMetrics], outcome,
+                 comparison_md: str | None, where: list[str]) -> Path:
+    from registry import atomic_write_text
+
+    folder.mkdir(parents=True, exist_ok=True)
+    images = plots(folder, candidates)
+    selected_id = outcome.selected.version_id if outcome.selected else None
+    lines = [f"# Update cycle: {header['model']}", ""]
+    lines += [f"- **{k}**: {v}" for k, v in header.items() if k != "model"]
+    lines += ["", "## Outcome", "", outcome_text, "", "## Gate", ""]
+    lines += summary_table(candidates, outcome, selected_id) if candidates else ["No new candidates this cycle."]
+    lines += check_tables(candidates, outcome)
+    if comparison_md:
+        lines += ["", "## Comparison with the champion", "", comparison_md]
+    if images:
+        lines += ["", "## Plots", ""] + [f"![{name[:-4]}]({name})" for name in images]
+    lines += ["", "## Where to look", ""] + [f"- {w}" for w in where]
+    gate_json = {str(v): [ch.__dict__ for ch in checks] for v, checks in outcome.checks.items()}
+    atomic_write_text(folder / "gate.json", json.dumps(gate_json, indent=2, default=str) + "\n")
+    path = atomic_write_text(folder / "report.md", "\n".join(lines) + "\n")
+    atomic_write_text(folder.parent / "LATEST", str(folder) + "\n")
+    return path
+
+
+def report_folder(state: Path, model_name: str, flow_run_id: str | None) -> Path:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return state / "reports" / model_name / f"{stamp}-{(flow_run_id or 'local')[:8]}"
+
+
+def latest_report(state: Path, model_name: str) -> Path | None:
+    pointer = state / "reports" / model_name / "LATEST"
+    if not pointer.is_file():
+        return None
+    path = Path(pointer.read_text().strip()) / "report.md"
+    return path if path.is_file() else None

@@ -1,0 +1,108 @@
+"""Typed YAML configs: dataclasses built from plain mappings, with errors that name the field.
+
+`build(cls, data)` checks every value against the dataclass's type hints (str, int, float,
+bool, Optional, list[T], dict[str, T], nested dataclasses) and refuses unknown keys, so a
+typo in a YAML file is an error such as `retained.kl_contexts: expected an integer, got 'many'`
+rather than a silently ignored field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+from atlas_core.train import ConfigError
+
+__all__ = ["ConfigError", "build", "load_yaml", "help_of"]
+
+
+def _convert(value, hint, where: str):
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{where}: expected a value, got null")
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _convert(value, option, where)
+            except ConfigError as e:
+                errors.append(str(e).split(": ", 1)[1])
+        raise ConfigError(f"{where}: {' or '.join(errors)}")
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, where)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return {_convert(k, args[0], f"{where} key"): _convert(v, args[1], f"{where}.{k}") for k, v in value.items()}
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 2e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"{where}: unsupported field type {hint!r}")
+
+
+def build(cls, data, where: str = ""):
+    """Dataclass `cls` from a mapping; every error names the dotted path of the field."""
+    prefix = f"{where}." if where else ""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or cls.__name__}: expected a mapping of fields, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown field; expected one of {names}")
+    values = {k: _convert(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
+    try:
+        return cls(**values)
+    except ConfigError as e:  # from __post_init__, which names fields relative to its own class
+        raise ConfigError(f"{prefix}{e}") from e
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from e
+    return {} if data is None else data
+
+
+def help_of(cls) -> dict[str, str]:
+    """field name -> its documented meaning (for --help and docs)."""
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+
+def field(text: str, default=dataclasses.MISSING, factory=dataclasses.MISSING):
+    """A dataclass field with a help text (every config field is documented where it is defined)."""
+    if factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=factory, metadata={"help": text})
+    return dataclasses.field(default=default, metadata={"help": text})

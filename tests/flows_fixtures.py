@@ -1,0 +1,70 @@
+"""Shared pieces of the flow tests: a tiny update config and policies, one Prefect harness.
+
+The tiny cycle runs on a seeded random 4-layer Llama ('tiny-llama') with a byte-level BPE
+tokenizer, real MBPP / GSM8K / CSQA rows (a handful of each) and the `response-match`
+target scorer, so a whole cycle takes seconds and needs no EvalPlus.
+
+`prefect_harness` is session-scoped: import it into a test module to use it (one temporary
+Prefect server per test session).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+TINY_CONFIG = {
+    "name": "tiny", "backbone": "tiny-llama", "dtype": "float32", "skill": "tiny-code", "layer": 2,
+    "data": {"source": "mbpp", "train_limit": 8, "val_limit": 4},
+    "target": {"scorer": "response-match", "limit": 4, "threshold": 0.5},
+    "retained": {"domains": ["gsm8k", "csqa"], "kl_contexts": 8, "kl_max_tokens": 128, "gsm8k_questions": 4,
+                 "csqa_questions": 6, "max_new_tokens": 4, "batch_size": 4, "replay_examples": 8},
+    "atlas": {"num_vectors": 64, "charts": 4, "rank": 4},
+    "train": {"epochs": 2, "lr": 1.0e-2, "batch_size": 4, "max_length": 512, "on_bad_example": "truncate"},
+}
+
+LOOSE = {"gsm8k": 50.0, "csqa": 50.0}
+PASSING_POLICY = {
+    "name": "tiny-pass", "candidates": {"methods": ["atlas", "weight-lora"], "seeds": [0]},
+    "min_target_gain": 0, "max_kl_vs_champion": LOOSE, "max_kl_vs_base": LOOSE,
+    "nfr": {"bound": "wilson", "confidence": 0.95, "max_vs_champion": {"gsm8k": 1.0, "csqa": 1.0},
+            "max_vs_base": {"gsm8k": 1.0, "csqa": 1.0}},
+    "max_csqa_choice_churn": 1.0,
+}
+# Four target problems cannot gain 1000 solved ones.
+IMPOSSIBLE_POLICY = PASSING_POLICY | {"name": "tiny-impossible", "min_target_gain": 1000}
+
+
+def write_yaml(path: Path, data: dict) -> str:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
+def tiny_files(folder: Path, policy: dict = PASSING_POLICY, **config_changes) -> tuple[str, str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    return (write_yaml(folder / "update.yaml", TINY_CONFIG | config_changes),
+            write_yaml(folder / f"{policy['name']}.yaml", policy))
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One temporary Prefect server (SQLite) for every flow test of the session (~8 s to start)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=60):
+        yield
+
+
+@pytest.fixture
+def state(tmp_path, monkeypatch) -> Path:
+    """A fresh project state folder (ledger, store, MLflow) per test."""
+    folder = tmp_path / "state"
+    monkeypatch.setenv("ATLAS_STATE_DIR", str(folder))
+    for name in ("ATLAS_LEDGER_URL", "ATLAS_ARTIFACT_STORE", "ATLAS_MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    return folder
+
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
