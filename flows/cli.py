@@ -1,147 +1,34 @@
 """`atlas`: the platform's command line.
 
+Method commands (flows/cli_method.py): backbone, fit-atlas, demo, eval-base.
+Release commands (flows/cli_release.py): update, serve, status, compare, history, rollback, gate.
 Each command imports what it needs when it runs, so `atlas --help` stays instant.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
-from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a model hub at run time
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+from .platform import configure_environment
 
 DTYPES = ("float32", "bfloat16")
 
 
-def _dtype(name: str):
-    import torch
+def _method(name: str):
+    """A method command, imported when it runs."""
 
-    return getattr(torch, name)
+    def run(args: argparse.Namespace) -> int:
+        from . import cli_method
 
+        return getattr(cli_method, name)(args)
 
-def cmd_backbone(args: argparse.Namespace) -> int:
-    from atlas_core.backbone import load_backbone
-
-    start = time.perf_counter()
-    bb = load_backbone(args.backbone, _dtype(args.dtype))
-    print(f"backbone   {bb.name}\nrevision   {bb.revision}\nclass      {type(bb.model).__name__}\n"
-          f"layers     {bb.num_layers} (middle {bb.middle_layer})\nhidden     {bb.hidden_size}\n"
-          f"loaded in  {time.perf_counter() - start:.1f} s")
-    return 0
+    return run
 
 
-def _fit(args: argparse.Namespace):
-    """Extract calibration activations from retained contexts and fit an atlas."""
-    from atlas_core.atlas import AtlasConfig, fit_atlas
-    from atlas_core.backbone import load_backbone
-    from atlas_core.extract import sample_activations
-    from evaluation.contexts import retained_contexts
-    from evaluation.datafiles import known, verified_path
+def add_fit_args(p: argparse.ArgumentParser) -> None:
+    from .cli_method import _add_fit_args  # argparse only; torch is imported by the commands
 
-    config = AtlasConfig(num_charts=args.charts, rank=args.rank, variant=args.variant, equal_support=args.equal_support,
-                         num_vectors=args.num_vectors, per_example=args.per_example, seed=args.seed)
-    bb = load_backbone(args.backbone, _dtype(args.dtype))
-    layer = bb.middle_layer if args.layer == -1 else args.layer
-    examples = -(-config.num_vectors // config.per_example)
-    _, texts = retained_contexts(bb.tokenizer, args.retained, limit=examples)
-    start = time.perf_counter()
-    x = sample_activations(bb.model, bb.tokenizer, texts, layer, config.num_vectors, config.per_example, config.seed)
-    extracted = time.perf_counter()
-    data_file = {"gsm8k": "gsm8k/test.jsonl", "csqa": "csqa/dev_rand_split.jsonl"}[args.retained]
-    verified_path(data_file)
-    meta = {"backbone": bb.name, "revision": bb.revision, "layer": layer, "dtype": args.dtype,
-            "data": {data_file: known(data_file).sha256, "examples": examples}}
-    atlas = fit_atlas(x, config, meta)
-    print(f"extracted {len(x)} vectors at layer {layer}/{bb.num_layers} in {extracted - start:.1f} s; "
-          f"fitted K={atlas.num_charts} m={atlas.rank} in {time.perf_counter() - extracted:.2f} s (tau={atlas.tau:.1f})")
-    return bb, atlas
-
-
-def cmd_fit_atlas(args: argparse.Namespace) -> int:
-    from atlas_core.paths import state_dir
-
-    _, atlas = _fit(args)
-    out = Path(args.out) if args.out else state_dir() / "atlases" / f"{args.backbone}-l{atlas.meta['layer']}-{args.variant}.safetensors"
-    manifest = atlas.save(out)
-    print(f"atlas saved: {out} (sha256 {manifest['sha256'][:16]}..., {out.stat().st_size / 2**20:.2f} MiB)")
-    return 0
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    """Fit an atlas, attach a full ATLAS residual and show what the method guarantees."""
-    import torch
-
-    from atlas_core.paths import state_dir
-    from atlas_core.residual import ResidualConfig, attach, build_residual, load_adapter, save_adapter
-    from evaluation.contexts import retained_contexts
-    from evaluation.kl import RetainedKL
-
-    bb, atlas = _fit(args)
-    atlas.save(state_dir() / "demo" / "atlas.safetensors")
-    layer = atlas.meta["layer"]
-    residual = build_residual(ResidualConfig(variant="atlas", layer=layer, scale="calibrated"), bb.model, atlas)
-    print(f"residual: {residual}, trainable parameters {sum(p.numel() for p in residual.parameters())} "
-          f"(2*d*r = {2 * bb.hidden_size * residual.config.rank}), s = {float(residual.s):.2f}")
-    _, contexts = retained_contexts(bb.tokenizer, "gsm8k", limit=args.contexts)
-    batch = bb.tokenizer(contexts[:2], return_tensors="pt", padding=True)
-    with torch.no_grad():
-        base = bb.model(**batch).logits
-        with attach(bb.model, residual):
-            same = bb.model(**batch).logits
-    print(f"B = 0: adapted logits equal the base model's exactly: {torch.equal(base, same)}")
-
-    torch.nn.init.normal_(residual.B, std=args.b_std, generator=torch.Generator().manual_seed(0))
-    path = state_dir() / "demo" / "adapter.safetensors"
-    save_adapter(path, residual, {"demo": True})
-    residual = load_adapter(path, atlas)
-    kl = RetainedKL(bb.model, bb.tokenizer, contexts, layer, progress=False)
-    moved = kl.kl(kl.reference(), residual)
-    print(f"random B (std {args.b_std}): retained KL(base || adapted) on {len(contexts)} GSM8K contexts = "
-          f"{moved.mean:.5f} nats/token over {moved.positions} positions; prefix cache {kl.cache_bytes() / 2**20:.1f} MiB")
-    print(f"adapter saved and reloaded with sha256 check: {path}")
-    return 0
-
-
-def cmd_eval_base(args: argparse.Namespace) -> int:
-    """Evaluate the base model on a small fixed subset of every set; build the KL caches."""
-    from atlas_core.backbone import load_backbone
-    from evaluation.contexts import retained_contexts
-    from evaluation.kl import RetainedKL
-    from evaluation.tasks import eval_csqa_choice, eval_gsm8k, eval_mbpp_plus
-
-    bb = load_backbone(args.backbone, _dtype(args.dtype))
-    layer = bb.middle_layer if args.layer == -1 else args.layer
-    code = eval_mbpp_plus(bb.model, bb.tokenizer, limit=args.limit, max_new_tokens=args.max_new_tokens).result
-    math = eval_gsm8k(bb.model, bb.tokenizer, limit=args.limit, max_new_tokens=args.max_new_tokens)
-    csqa = eval_csqa_choice(bb.model, bb.tokenizer, limit=args.limit)
-    print(f"\n{bb.name} base model, first {args.limit} problems of each set")
-    print(f"  MBPP+ (EvalPlus)  solved {code.solved}/{code.n} ({code.percent:.1f}%), base tests only {code.base_solved}/{code.n}")
-    print(f"  GSM8K test        correct {sum(a.correct for a in math.answers)}/{len(math.answers)} ({math.accuracy:.1%})")
-    print(f"  CSQA validation   correct {sum(a.correct for a in csqa.answers)}/{len(csqa.answers)} ({csqa.accuracy:.1%})")
-    for domain in ("gsm8k", "csqa"):
-        _, contexts = retained_contexts(bb.tokenizer, domain, limit=args.limit)
-        kl = RetainedKL(bb.model, bb.tokenizer, contexts, layer, progress=False)
-        reference = kl.reference()
-        check = kl.kl(reference).mean
-        print(f"  KL reference {domain:5s}  {len(contexts)} contexts, {kl.positions} positions, prefix cache at layer {layer}: "
-              f"{kl.cache_bytes() / 2**20:.1f} MiB (+ the same for the reference); KL(base || base) = {check:.1e}")
-    return 0
-
-
-def _add_fit_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layer", type=int, default=-1, help="decoder layer l (-1: the middle layer)")
-    p.add_argument("--retained", default="gsm8k", choices=["gsm8k", "csqa"], help="retained domain of the calibration contexts")
-    p.add_argument("--num-vectors", type=int, default=4096, help="N calibration vectors")
-    p.add_argument("--per-example", type=int, default=2, help="positions sampled per retained example")
-    p.add_argument("--charts", type=int, default=32, help="K charts")
-    p.add_argument("--rank", type=int, default=16, help="m directions per chart")
-    p.add_argument("--variant", default="local", choices=["local", "global", "random-local", "shuffled-patch"])
-    p.add_argument("--equal-support", type=int, default=None, help="PCA from each chart's N nearest vectors")
-    p.add_argument("--seed", type=int, default=0)
+    _add_fit_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,32 +40,49 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("backbone", parents=[common], help="load (and on first use convert) the backbone; print what it is")
-    p.set_defaults(func=cmd_backbone)
+    p.set_defaults(func=_method("cmd_backbone"))
 
     p = sub.add_parser("fit-atlas", parents=[common], help="extract layer-l activations from retained contexts and fit an atlas")
-    _add_fit_args(p)
+    add_fit_args(p)
     p.add_argument("--out", default=None, help="atlas file (.safetensors; a .json manifest is written beside it)")
-    p.set_defaults(func=cmd_fit_atlas)
+    p.set_defaults(func=_method("cmd_fit_atlas"))
 
     p = sub.add_parser("demo", parents=[common], help="fit an atlas, attach an ATLAS residual, check B=0 is exact, measure retained KL")
-    _add_fit_args(p)
+    add_fit_args(p)
     p.add_argument("--contexts", type=int, default=16, help="GSM8K contexts for the KL check")
     p.add_argument("--b-std", type=float, default=0.01, help="std of the random B for the KL check")
-    p.set_defaults(func=cmd_demo, num_vectors=1024)
+    p.set_defaults(func=_method("cmd_demo"), num_vectors=1024)
 
     p = sub.add_parser("eval-base", parents=[common], help="score the base model on a small subset of every set")
     p.add_argument("--limit", type=int, default=16, help="first N problems of each set")
     p.add_argument("--layer", type=int, default=-1, help="prefix-cache layer of the KL reference (-1: middle)")
     p.add_argument("--max-new-tokens", type=int, default=384)
-    p.set_defaults(func=cmd_eval_base)
+    p.set_defaults(func=_method("cmd_eval_base"))
+
+    from .cli_release import add_commands
+
+    add_commands(sub, common)
     return parser
 
 
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean bad input or state, shown as one line instead of a traceback."""
+    errors: list[type[BaseException]] = [ValueError, FileNotFoundError, ModuleNotFoundError]
+    if "registry" in sys.modules:
+        import registry
+
+        errors += [registry.LedgerError, registry.PromotionError, registry.ArtifactError]
+    return tuple(errors)
+
+
 def main(argv: list[str] | None = None) -> int:
+    configure_environment()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
+    except Exception as e:
+        if not isinstance(e, _expected_errors()):
+            raise
         print(f"atlas {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -156,3 +156,20 @@ def evaluate_candidate(cycle: Cycle, version_id: int, champion: Applied, base: A
                          {k: flips(champ[k], mine[k]) for k in watched}, choice)
     m.evaluation_id = record_candidate(cycle, m, champion.version.id)
     return m
+
+
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def record_base(cycle: Cycle, base: Applied, scorer) -> None:
+    """The base model's own evaluation (KL 0 by definition), once per evaluation settings, so that
+    comparisons and history show its target score next to the versions'."""
+    from registry import DomainKL, EvaluationRecord, latest_evaluation, record_evaluation
+
+    from .ledger_ops import evaluation_extra
+
+    ev = latest_evaluation(cycle.ledger, base.version.id)
+    if ev is not None and evaluation_extra(cycle.ledger, ev.id).get("eval_key") == cycle.config.eval_key():
+        return
+    answers = all_answers(cycle, base, scorer)
+    record_evaluation(cycle.ledger, EvaluationRecord(
+        base.version.id, solved(answers), len(answers["target"]), [DomainKL(d, 0.0) for d in cycle.config.retained.domains],
+        extra={"eval_key": cycle.config.eval_key()}, flow_run_id=cycle.flow_run_id))

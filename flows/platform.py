@@ -23,6 +23,9 @@ from pathlib import Path
 
 from atlas_core.paths import state_dir
 
+DEFAULT_CONFIG = "configs/update/default.yaml"
+DEFAULT_POLICY = "configs/policy/default.yaml"
+
 
 def configure_environment() -> Path:
     """Settings every entry point needs before Prefect or MLflow are imported; returns the state dir."""

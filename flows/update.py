@@ -15,12 +15,9 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from .platform import configure_environment
+from .platform import DEFAULT_CONFIG, DEFAULT_POLICY, configure_environment
 
 configure_environment()
-
-DEFAULT_CONFIG = "configs/update/default.yaml"
-DEFAULT_POLICY = "configs/policy/default.yaml"
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
@@ -117,7 +114,7 @@ def update(config: str = DEFAULT_CONFIG, policy: str = DEFAULT_POLICY, backbone:
     from .components import make_scorer
     from .config import load_update_config
     from .cycle import Cycle, apply_version
-    from .evaluate import evaluate_candidate
+    from .evaluate import evaluate_candidate, record_base
     from .platform import open_platform
     from .policy import load_policy
     from .refresh import refresh_atlas
@@ -138,6 +135,7 @@ def update(config: str = DEFAULT_CONFIG, policy: str = DEFAULT_POLICY, backbone:
         champion, base = apply_version(cycle, champion_v), apply_version(cycle, cycle.base)
         scorer = make_scorer(cfg, cycle.backbone.tokenizer)
         candidates = [evaluate_candidate(cycle, v, champion, base, scorer) for v in version_ids if v != champion_v.id]
+        record_base(cycle, base, scorer)
         outcome = gate(cycle, candidates, None if champion_v.is_base else champion_v.id)
         release = None
         if outcome.selected is not None:

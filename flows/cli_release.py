@@ -1,0 +1,187 @@
+"""The release-level commands of `atlas`: update, serve, status, compare, history, rollback, gate."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _model(platform, args: argparse.Namespace):
+    from registry import LedgerError, get_model, model_name_for
+
+    name = args.model or model_name_for(args.backbone, args.skill)
+    try:
+        return get_model(platform.ledger, name)
+    except LedgerError as e:
+        raise LedgerError(f"{e} (run `atlas update` first, or pass --model / --backbone / --skill)") from None
+
+
+def _platform():
+    from .platform import open_platform
+
+    return open_platform()
+
+
+def cmd_update(args: argparse.Namespace) -> int:
+    from .update import update
+
+    result = update(config=args.config, policy=args.policy, backbone=args.backbone, skill=args.skill)
+    verdicts = ", ".join(f"{name}: {'pass' if ok else 'reject'}" for name, ok in result["candidates"].items())
+    print(f"\n{result['model']}: {'PROMOTED ' + result['champion'] if result['promoted'] else 'not promoted'}"
+          f" (champion before: {result['previous_champion']}, now: {result['champion']})")
+    print(f"candidates: {verdicts or 'none new'}")
+    print(f"report:     {result['report']}")
+    print(f"MLflow UI:  .venv/bin/mlflow ui --backend-store-uri sqlite:///{result['state']}/mlflow/mlflow.db"
+          if "ATLAS_MLFLOW_TRACKING_URI" not in __import__("os").environ else "MLflow UI:  your tracking server")
+    print(f"details:    atlas status / atlas history / atlas gate --explain VERSION  (--backbone, --skill)")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve import serve_update
+
+    serve_update(cron=args.cron, config=args.config, policy=args.policy, backbone=args.backbone, skill=args.skill)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from registry import alias_holder, base_version, latest_evaluation
+
+    from .ledger_ops import recent_decisions, recent_training_runs
+    from .report import latest_report
+
+    p = _platform()
+    try:
+        for key, value in p.describe().items():
+            print(f"{key:10s} {value}")
+        model = _model(p, args)
+        champion = alias_holder(p.ledger, model.id) or base_version(p.ledger, model.id)
+        ev = latest_evaluation(p.ledger, champion.id)
+        target = f", target {ev.target_solved}/{ev.target_total}" if ev else ""
+        print(f"\nmodel      {model.name}\nchampion   {champion.name} (#{champion.id}, MLflow version "
+              f"{champion.mlflow_version or '-'}{target})")
+        print(f"report     {latest_report(p.state, model.name) or '-'}")
+        print("\nlast gate decisions:")
+        for did, name, passed, policy, when in recent_decisions(p.ledger, model.id, args.limit):
+            print(f"  {when}  #{did:<4d} {'PASS  ' if passed else 'REJECT'} {name}  ({policy})")
+        print("last training runs:")
+        for r in recent_training_runs(p.ledger, _backbone_id(p, model), model.skill, args.limit):
+            print(f"  {r['started']}  #{r['id']:<4d} {r['method']} seed {r['seed']}: {r['status']}")
+    finally:
+        p.close()
+    if not args.no_prefect:
+        from .serve import prefect_status
+
+        print("\n" + prefect_status(args.limit))
+    return 0
+
+
+def _backbone_id(p, model) -> int:
+    from registry import ensure_backbone
+
+    return ensure_backbone(p.ledger, model.backbone, model.revision)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from registry import compare_versions, resolve_version
+
+    p = _platform()
+    try:
+        model = _model(p, args)
+        a, b = resolve_version(p.ledger, model.id, args.a), resolve_version(p.ledger, model.id, args.b)
+        cmp = compare_versions(p.ledger, a.id, b.id)
+        print({"text": cmp.to_table, "markdown": cmp.to_markdown, "json": cmp.to_json}[args.format]())
+    finally:
+        p.close()
+    return 0
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    from registry import format_history, release_history
+
+    p = _platform()
+    try:
+        rows = release_history(p.ledger, _model(p, args).id)
+        print(format_history(rows, markdown=args.markdown) if rows else "no releases yet")
+    finally:
+        p.close()
+    return 0
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    from .release import rollback
+
+    p = _platform()
+    try:
+        model = _model(p, args)
+    finally:
+        p.close()
+    release = rollback(model.name, args.reason)
+    print(f"{model.name}: champion rolled back (release #{release.id}, version id {release.version_id}, "
+          f"previous {release.previous_version_id}); reason recorded: {args.reason}")
+    return 0
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    from registry import get_version, latest_gate_decision, resolve_version
+
+    p = _platform()
+    try:
+        version = resolve_version(p.ledger, _model(p, args).id, args.explain)
+        decision = latest_gate_decision(p.ledger, version.id)
+        if decision is None:
+            print(f"{version.name}: no gate decision recorded")
+            return 1
+        against = get_version(p.ledger, decision.release_version_id).name if decision.release_version_id else "base"
+        if args.json:
+            print(json.dumps({"version": version.name, "passed": decision.passed, "policy": decision.policy_name,
+                              "against": against, "checks": [c.__dict__ for c in decision.checks]}, indent=2))
+            return 0
+        print(f"{version.name}: {'PASS' if decision.passed else 'REJECT'} by policy {decision.policy_name} "
+              f"(decision #{decision.id}, {decision.created_at:%Y-%m-%d %H:%M:%S}, measured against {against})")
+        width = max(len(c.name) for c in decision.checks)
+        for c in decision.checks:
+            fmt = lambda v: "missing" if v is None else f"{v:.4g}"  # noqa: E731
+            print(f"  {'ok  ' if c.passed else 'FAIL'} {c.name:{width}s}  measured {fmt(c.measured):>10s}  "
+                  f"limit {fmt(c.threshold):>8s}  {c.detail}")
+    finally:
+        p.close()
+    return 0
+
+
+def add_commands(sub, common: argparse.ArgumentParser) -> None:
+    from .platform import DEFAULT_CONFIG, DEFAULT_POLICY
+
+    model = argparse.ArgumentParser(add_help=False)
+    model.add_argument("--skill", default="code", help="skill of the registered model (default: %(default)s)")
+    model.add_argument("--model", default=None, help="registered model name (default: <backbone>.<skill>)")
+    cycle = argparse.ArgumentParser(add_help=False)
+    cycle.add_argument("--config", default=DEFAULT_CONFIG, help="update config YAML (default: %(default)s)")
+    cycle.add_argument("--policy", default=DEFAULT_POLICY, help="release policy YAML (default: %(default)s)")
+    cycle.add_argument("--backbone", default=None, help="override the config's backbone")
+    cycle.add_argument("--skill", default=None, help="override the config's skill")
+
+    p = sub.add_parser("update", parents=[cycle], help="run one update cycle now: atlas, training, evaluation, gate, "
+                       "promotion, report")
+    p.set_defaults(func=cmd_update)
+    p = sub.add_parser("serve", parents=[cycle], help="serve the scheduled `update` deployment from this process")
+    p.add_argument("--cron", default=None, help="cron schedule (default: the one in deploy/prefect.yaml)")
+    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("status", parents=[common, model], help="champion, last gate decisions and runs, next scheduled run")
+    p.add_argument("--limit", type=int, default=5, help="rows per list")
+    p.add_argument("--no-prefect", action="store_true", help="skip the Prefect query (starts a local server if none is set)")
+    p.set_defaults(func=cmd_status)
+    p = sub.add_parser("compare", parents=[common, model], help="compare version B against version A from stored records")
+    p.add_argument("a", help="reference version: base, champion, candidate, a version name, mlflow:<n> or #<id>")
+    p.add_argument("b", help="compared version (same forms)")
+    p.add_argument("--format", default="text", choices=["text", "markdown", "json"])
+    p.set_defaults(func=cmd_compare)
+    p = sub.add_parser("history", parents=[common, model], help="every release of the model with its key metrics")
+    p.add_argument("--markdown", action="store_true")
+    p.set_defaults(func=cmd_history)
+    p = sub.add_parser("rollback", parents=[common, model], help="move champion back to the previous holder")
+    p.add_argument("--reason", required=True, help="why (recorded in the ledger and shown in history)")
+    p.set_defaults(func=cmd_rollback)
+    p = sub.add_parser("gate", parents=[common, model], help="explain a version's gate decision check by check")
+    p.add_argument("--explain", required=True, metavar="VERSION", help="version: name, champion, mlflow:<n> or #<id>")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_gate)
