@@ -1,0 +1,10 @@
+"""Small-scale reproduction of the paper's main comparison (issue 7).
+
+    .venv/bin/python -m bench.repro.run --config configs/repro/smollm2.yaml --budget-minutes 140
+
+config.py   the experiment definition (configs/repro/*.yaml)
+workload.py the model, data subsets, atlas and scorers the runner works on
+runner.py   sweeps, training runs, per-checkpoint scoring; resume and time budget
+store.py    the per-unit results files (results/repro/<name>/)
+report.py   tables and plots from the results files only
+"""

@@ -1,0 +1,58 @@
+"""Run (or continue) an experiment, then write its report from the stored results.
+
+    .venv/bin/python -m bench.repro.run --config configs/repro/smollm2.yaml --budget-minutes 140 \
+        --docs docs/RESULTS.md
+
+Re-running a finished experiment trains and scores nothing: it reads results/repro/<name>/
+and rewrites the same tables. Exit status 0 when the experiment is complete, 3 when the
+budget stopped it (run the same command again to continue).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from atlas_core.paths import PROJECT_ROOT, state_dir  # noqa: E402
+
+from .config import load_repro_config  # noqa: E402
+from .report import update_docs, write_report  # noqa: E402
+from .runner import Budget, Runner  # noqa: E402
+from .workload import default_workload  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.repro.run", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="experiment file (configs/repro/*.yaml)")
+    parser.add_argument("--budget-minutes", type=float, default=None,
+                        help="stop cleanly after the unit that would make the next one overrun this budget")
+    parser.add_argument("--report-only", action="store_true", help="only rewrite the report from stored results")
+    parser.add_argument("--docs", type=Path, default=None, help="also replace this experiment's section of this file")
+    parser.add_argument("--results", type=Path, default=None, help="results folder (default results/repro/<name>)")
+    args = parser.parse_args(argv)
+
+    config = load_repro_config(args.config)
+    results = args.results or PROJECT_ROOT / "results" / "repro" / config.name
+    state = state_dir() / "repro" / config.name
+    complete = True
+    if not args.report_only:
+        started = time.perf_counter()
+        runner = Runner(config, results, state, lambda: default_workload(config, state), Budget(args.budget_minutes))
+        complete = runner.run()
+        print(f"[repro] session: {(time.perf_counter() - started) / 60:.1f} min; experiment "
+              f"{'complete' if complete else 'not complete yet (run the same command again)'}", flush=True)
+    if (results / "experiment.json").is_file():
+        text = write_report(results)
+        if args.docs:
+            update_docs(args.docs, config.name, text)
+        print(text)
+    return 0 if complete else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

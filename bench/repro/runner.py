@@ -1,0 +1,307 @@
+"""The experiment runner: learning-rate sweeps, training runs, and every checkpoint scored.
+
+Order of work (so that an interrupted experiment has its most useful results first):
+  1. base      the frozen model on the same subsets (MBPP+, held-out NLL, GSM8K answers)
+  2. sweeps    per method and rate in `lr_grid`: train seed seeds[0] for all epochs, keep the
+               validation losses; atlas_core.train.sweep_learning_rate then picks the rate
+  3. runs      per seed, per method, at the chosen rate: train with a checkpoint every
+               1/checkpoints_per_epoch epoch; each checkpoint is scored in the trainer's
+               `on_checkpoint` callback (MBPP+ solved, held-out NLL, retained KL; GSM8K
+               answers at the final one) and written as one unit file.
+The seeds[0] run at the chosen rate *is* its sweep run (same config, same folder), so the
+sweep costs no extra training for that seed.
+
+Resume: weights and optimizer state are in the trainer's checkpoints (state dir); results in
+the store (committed). A checkpoint written but not scored when a session ended is scored
+first on the next start. If the state dir is gone, a run retrains from scratch (the trainer
+is deterministic) and units already stored are not scored again.
+
+Budget: after each unit (one sweep epoch or one scored checkpoint) the runner stops cleanly
+when the time used, or the time used plus that unit's duration, exceeds the budget.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from atlas_core.residual import ResidualConfig, attach, build_residual
+from atlas_core.train import (PrefixCache, ResidualAdapter, TrainingDiverged, WeightLoRA, as_adapter, build_adapter,
+                              build_caches, epoch_batches, list_checkpoints, prepare_data, read_state,
+                              sweep_learning_rate, train)
+from atlas_core.train.objectives import mean_loss
+from evaluation.kl import RetainedKL
+
+from .config import ReproConfig
+from .store import ResultStore, lr_tag
+from .workload import Workload
+
+
+class BudgetSpent(Exception):
+    """The session's time budget is used up; everything finished so far is stored."""
+
+
+class Budget:
+    def __init__(self, minutes: float | None):
+        self.limit = None if minutes is None else 60.0 * minutes
+        self.started = time.monotonic()
+
+    def used(self) -> float:
+        return time.monotonic() - self.started
+
+    def after_unit(self, unit_seconds: float) -> None:
+        """Stop if the next unit (assumed as long as this one) would not fit."""
+        if self.limit is not None and self.used() + unit_seconds > self.limit:
+            raise BudgetSpent(f"budget of {self.limit / 60:.0f} min: {self.used() / 60:.1f} min used, "
+                              f"the last unit took {unit_seconds / 60:.1f} min")
+
+
+def _log(message: str) -> None:
+    print(f"[repro {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+class Runner:
+    def __init__(self, config: ReproConfig, results: Path, state: Path, make_workload: Callable[[], Workload],
+                 budget: Budget | None = None):
+        self.config, self.state, self.make_workload = config, Path(state), make_workload
+        self.store = ResultStore(Path(results), config.fingerprint())
+        self.budget = budget or Budget(None)
+        self.w: Workload | None = None
+        self._data = None
+        self._caches: dict = {}  # (kind, layer) -> prefix caches / KL sets, reused by every run
+        self._unit_started = 0.0
+
+    # ------------------------------------------------------------------ plan
+    def complete(self) -> bool:
+        c, s = self.config, self.store
+        return (s.read(s.base_path()) is not None
+                and all(s.chosen_lr(m.name) is not None for m in c.methods)
+                and all(s.run_done(m.name, seed) for seed in c.seeds for m in c.methods))
+
+    def run(self) -> bool:
+        """Do every missing unit (within the budget); True when the experiment is complete."""
+        self.store.check_experiment(self.config.to_dict())
+        if self.complete():
+            _log("all units are stored: nothing to train or score")
+            return True
+        self.w = self.make_workload()
+        if self.w.atlas is not None:
+            self.store.record_atlas(self.w.atlas.sha256, self.w.atlas.meta)
+        try:
+            self._unit_started = time.monotonic()
+            if self.store.read(self.store.base_path()) is None:
+                self.base()
+            for m in self.config.methods:
+                if self.store.chosen_lr(m.name) is None:
+                    self.sweep(m.name)
+            for seed in self.config.seeds:
+                for m in self.config.methods:
+                    if not self.store.run_done(m.name, seed):
+                        self.run_one(m.name, seed, self.store.chosen_lr(m.name))
+        except BudgetSpent as e:
+            _log(f"stopping: {e}")
+            return False
+        return self.complete()
+
+    def _unit_done(self) -> None:
+        now = time.monotonic()
+        seconds, self._unit_started = now - self._unit_started, now
+        self.budget.after_unit(seconds)
+
+    # ------------------------------------------------------------------ shared data and caches
+    def _train_data(self, train_config):
+        if self._data is None:
+            self._data = prepare_data(self.w.tokenizer, self.w.train_pairs, train_config, val=self.w.val_pairs)
+        return self._data
+
+    def _cached(self, key, build):
+        if key not in self._caches:
+            self._caches[key] = build()
+        return self._caches[key]
+
+    def _heldout(self, layer: int | None):
+        """The held-out set (tokenised like training data) and its prefix cache at `layer`."""
+        data = self._cached("heldout", lambda: prepare_data(self.w.tokenizer, self.w.heldout_pairs,
+                                                            self.config.run_config(self.config.reference, 0, 1.0).train))
+        cache = None if layer is None else self._cached(("heldout", layer), lambda: PrefixCache.build(
+            self.w.model, data.train, layer, data.pad_id, self.config.eval.kl_batch_size))
+        return data, cache
+
+    def _kl(self, adapter) -> tuple[RetainedKL, list]:
+        """The KL contexts with their prefix cache at the adapter's cache layer and the base
+        model's reference (computed with the adapter switched off)."""
+        layer = adapter.cache_layer
+
+        def build():
+            kl = RetainedKL(self.w.model, self.w.tokenizer, self.w.kl_contexts, layer,
+                            batch_size=self.config.eval.kl_batch_size, progress=False)
+            with _frozen(adapter):
+                return kl, kl.reference()
+
+        return self._cached(("kl", layer), build)
+
+    # ------------------------------------------------------------------ scoring
+    def _score(self, adapter, final: bool) -> dict:
+        w, ev = self.w, self.config.eval
+        timings = {}
+        started = time.perf_counter()
+        with _adapted(w.model, adapter):
+            target = w.score_target(w.model, w.tokenizer)
+        timings["mbpp_plus"] = time.perf_counter() - started
+        started = time.perf_counter()
+        data, cache = self._heldout(adapter.cache_layer)
+        nll = mean_loss(w.model, adapter, data.train, cache, data.pad_id, ev.kl_batch_size)
+        timings["heldout_nll"] = time.perf_counter() - started
+        started = time.perf_counter()
+        kl, reference = self._kl(adapter)
+        moved = kl.kl(reference, adapter.residual if isinstance(adapter, ResidualAdapter) else None)
+        timings["kl"] = time.perf_counter() - started
+        record = {"mbpp_plus": asdict(target), "heldout_nll": nll,
+                  "kl": {"mean": moved.mean, "positions": moved.positions, "contexts": len(moved.per_context)}}
+        if final:
+            started = time.perf_counter()
+            with _adapted(w.model, adapter):
+                record["gsm8k_answers"] = _answers(w.answer_retained(w.model, w.tokenizer))
+            timings["gsm8k"] = time.perf_counter() - started
+        record["seconds"] = {k: round(v, 2) for k, v in timings.items()}
+        return record
+
+    def base(self) -> None:
+        """The frozen model: a plain residual with B = 0 adds exactly nothing (Delta = B A h = 0)."""
+        _log("base model: MBPP+, held-out NLL, GSM8K answers")
+        zero = ResidualAdapter(build_residual(ResidualConfig(variant="plain", layer=self.config.layer,
+                                                             rank=self.config.rank), self.w.model))
+        record = self._score(zero, final=True)  # its KL is a check: exactly 0
+        self.store.write(self.store.base_path(), {"kind": "base", **self.w.info, **record})
+        self._unit_done()
+
+    # ------------------------------------------------------------------ training
+    def _run_dir(self, method: str, seed: int, lr: float | None = None) -> Path:
+        d = self.state / "runs" / method / f"seed{seed}"
+        return d if lr is None else d / lr_tag(lr)
+
+    def _train_config(self, method: str, seed: int, lr: float):
+        rc = self.config.run_config(method, seed, lr)
+        data = self._train_data(rc.train)
+        n_batches = len(epoch_batches(data.train.lengths, rc.train.batch_size, seed, 0, rc.train.bucket_batches))
+        steps = math.ceil(n_batches / rc.train.grad_accum)
+        every = steps // self.config.checkpoints_per_epoch if self.config.checkpoints_per_epoch > 1 else 0
+        return replace(rc, train=replace(rc.train, checkpoint_every_steps=every)), steps
+
+    def _new_adapter(self, rc):
+        adapter = as_adapter(build_adapter(rc, self.w.model, self.w.atlas))
+        if isinstance(adapter, WeightLoRA):
+            # PEFT gives the factors the backbone's dtype; in fp32 they train with fp32 AdamW
+            # state like the residual's A and B (PEFT casts inputs to them and the sum back).
+            adapter.lora.lora_A["default"].float()
+            adapter.lora.lora_B["default"].float()
+        return adapter
+
+    @contextmanager
+    def _adapter(self, rc):
+        adapter = self._new_adapter(rc)
+        try:
+            yield adapter
+        finally:
+            if isinstance(adapter, WeightLoRA):
+                adapter.remove()
+
+    def _train(self, rc, adapter, run_dir: Path, on_checkpoint):
+        data = self._train_data(rc.train)
+        caches = self._cached(("train", adapter.cache_layer),
+                              lambda: build_caches(self.w.model, data, adapter.cache_layer, rc.train.cache_batch_size))
+        return train(self.w.model, adapter, data, rc.train, run_dir, caches=caches, on_checkpoint=on_checkpoint)
+
+    def sweep(self, method: str) -> None:
+        seed = self.config.seeds[0]
+        for lr in self.config.lr_grid:
+            path = self.store.sweep_path(method, lr)
+            if self.store.read(path) is not None:
+                continue
+            _log(f"sweep {method} lr {lr:g} (seed {seed}, {self.config.epochs} epochs)")
+            rc, steps = self._train_config(method, seed, lr)
+            with self._adapter(rc) as adapter:
+                try:
+                    summary = self._train(rc, adapter, self._run_dir(method, seed, lr), lambda p, s: self._unit_done())
+                    record = {"val_losses": _val_losses(summary.checkpoints), "best_val_loss": summary.best_val_loss,
+                              "diverged": False, "train_seconds": round(summary.seconds, 1)}
+                except TrainingDiverged as e:
+                    record = {"val_losses": {}, "best_val_loss": None, "diverged": True, "error": str(e)}
+            self.store.write(path, {"kind": "sweep", "method": method, "seed": seed, "lr": lr,
+                                    "steps_per_epoch": steps, **record})
+        self.choose_lr(method)
+
+    def choose_lr(self, method: str) -> None:
+        """atlas_core.train.sweep_learning_rate over the finished sweep runs (it reads them back
+        from their checkpoints rather than training again) picks the rate."""
+        seed = self.config.seeds[0]
+        rc, _ = self._train_config(method, seed, self.config.lr_grid[0])
+        made: list = []
+
+        def fresh():
+            if made and isinstance(made[-1], WeightLoRA):
+                made[-1].remove()
+            made.append(self._new_adapter(rc))
+            return made[-1]
+
+        try:
+            result = sweep_learning_rate(self.w.model, fresh, self._train_data(rc.train), rc.train,
+                                         self.config.lr_grid, self._run_dir(method, seed))
+        finally:
+            if made and isinstance(made[-1], WeightLoRA):
+                made[-1].remove()
+        _log(f"{method}: learning rate {result.best_lr:g} (validation loss {result.val_loss})")
+        self.store.write(self.store.lr_path(method), {"kind": "lr", "method": method, **result.to_dict()})
+
+    def run_one(self, method: str, seed: int, lr: float) -> None:
+        """Train (or resume) one run; score each checkpoint as it is written."""
+        _log(f"run {method} seed {seed} lr {lr:g}")
+        rc, steps = self._train_config(method, seed, lr)
+        run_dir = self._run_dir(method, seed, lr)
+
+        def score(path: Path, state: dict) -> None:
+            step = state["step"]
+            if self.store.read(self.store.unit_path(method, seed, step)) is not None:
+                return
+            record = self._score(adapter, final=state["finished"])
+            self.store.write(self.store.unit_path(method, seed, step), {
+                "kind": "checkpoint", "method": method, "seed": seed, "lr": lr, "step": step,
+                "epoch": step / steps, "final": state["finished"],
+                "val_loss": state["val_losses"].get(str(step)), "train_seconds": round(state["seconds"], 1),
+                **record})
+            _log(f"  {method} seed {seed} step {step}: solved {record['mbpp_plus']['solved']}, "
+                 f"NLL {record['heldout_nll']:.4f}, KL {record['kl']['mean']:.4g}")
+            self._unit_done()
+
+        with self._adapter(rc) as adapter:
+            for path in list_checkpoints(run_dir):  # written but not scored when an earlier session ended
+                state = read_state(path)
+                if self.store.read(self.store.unit_path(method, seed, state["step"])) is None:
+                    adapter.load_weights(path / "adapter.safetensors")
+                    score(path, state)
+            summary = self._train(rc, adapter, run_dir, score)
+        self.store.write(self.store.run_path(method, seed), {
+            "kind": "run", "method": method, "seed": seed, "lr": lr, "steps_per_epoch": steps,
+            "steps": [int(Path(c).name.split("-")[1]) for c in summary.checkpoints],
+            "train_seconds": round(summary.seconds, 1), "tokens": summary.tokens})
+
+
+def _val_losses(checkpoints: list[str]) -> dict:
+    return read_state(checkpoints[-1])["val_losses"] if checkpoints else {}
+
+
+def _answers(answers) -> list[dict]:
+    return [{"id": a.id, "answer": a.answer, "correct": bool(a.correct)} for a in answers]
+
+
+def _adapted(model, adapter):
+    """The model as the adapter changes it: a residual is hooked in; LoRA already is."""
+    return attach(model, adapter.residual) if isinstance(adapter, ResidualAdapter) else nullcontext()
+
+
+def _frozen(adapter):
+    """The base model: LoRA switched off (a residual is never active outside `_adapted`)."""
+    return adapter.disabled() if isinstance(adapter, WeightLoRA) else nullcontext()

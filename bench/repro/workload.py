@@ -1,0 +1,132 @@
+"""What an experiment runs on: the model, the data subsets, the atlas and the two scorers.
+
+The runner only sees a `Workload`, so tests hand it a tiny model and a fake target scorer,
+while `default_workload` builds the real one from the platform's own pieces:
+    backbone        atlas_core.backbone.load_backbone (bf16 or fp32)
+    training data   MBPP train (120) / validation (43): problem + first test -> reference code
+    held-out set    MBPP+ test problems: the same prompt -> canonical solution (NLL target measure)
+    KL contexts     evaluation.contexts.retained_contexts (GSM8K test: math prompt + reference answer)
+    atlas           evaluation.contexts + atlas_core.extract.sample_activations + fit_atlas, fitted
+                    once per experiment and kept in the state dir
+    target scorer   evaluation.tasks.eval_mbpp_plus (greedy generation + EvalPlus)
+    answers         evaluation.tasks.eval_gsm8k (greedy; for answer churn of final checkpoints)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ReproConfig
+
+
+@dataclass(frozen=True)
+class TargetScore:
+    n: int
+    solved: int  # base and plus tests (MBPP+ pass@1)
+    base_solved: int  # base tests only
+    solved_ids: list[str]
+    base_solved_ids: list[str]
+
+
+@dataclass
+class Workload:
+    model: Any
+    tokenizer: Any
+    train_pairs: list[dict]  # {"prompt", "response", "id"}
+    val_pairs: list[dict]
+    heldout_pairs: list[dict]
+    kl_contexts: list[str]
+    score_target: Callable[[Any, Any], TargetScore]
+    answer_retained: Callable[[Any, Any], list]  # -> list[evaluation.answers.Answer]
+    atlas: Any = None  # atlas_core.atlas.Atlas, for the methods that need one
+    info: dict = field(default_factory=dict)  # backbone revision, atlas file, ...
+
+
+def code_pair(text: str, first_test: str, code: str, pair_id: str) -> dict:
+    """The training format: the generation prompt's user message -> the code in one fenced block
+    (what the model is asked to write, so training and generation see the same message)."""
+    from evaluation.prompts import code_message
+
+    return {"prompt": code_message(text, first_test), "response": f"```python\n{code.strip()}\n```", "id": pair_id}
+
+
+def mbpp_pairs(split: str) -> list[dict]:
+    from evaluation.data import load_mbpp
+
+    return [code_pair(r["text"], r["first_test"], r["code"], f"mbpp-{r['task_id']}") for r in load_mbpp(split)]
+
+
+def heldout_pairs(limit: int) -> list[dict]:
+    """The first `limit` MBPP+ test problems with their canonical solutions."""
+    from evaluation.data import load_mbpp_plus
+
+    rows = load_mbpp_plus("test")
+    rows = rows.select(range(min(limit, len(rows))))
+    return [code_pair(r["text"], r["first_test"], r["canonical_solution"], r["task_id"]) for r in rows]
+
+
+def atlas_path(config: ReproConfig, root: Path) -> Path:
+    """Shared by every experiment with the same backbone, dtype, layer and atlas spec (so a smoke
+    run fits the atlas the full run then loads)."""
+    key = json.dumps([config.backbone, config.dtype, config.layer, asdict(config.atlas)], sort_keys=True)
+    return root / "atlases" / f"{config.backbone}-L{config.layer}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.safetensors"
+
+
+def fit_or_load_atlas(config: ReproConfig, model, tokenizer, path: Path):
+    """The experiment's atlas: loaded (sha256-checked) if this session or an earlier one fitted it."""
+    from atlas_core.atlas import Atlas, AtlasConfig, fit_atlas
+    from atlas_core.extract import sample_activations
+    from evaluation.contexts import retained_contexts
+
+    if path.is_file():
+        return Atlas.load(path)
+    spec = config.atlas
+    atlas_config = AtlasConfig(num_charts=spec.charts, rank=spec.rank, num_vectors=spec.num_vectors,
+                               per_example=spec.per_example, seed=spec.seed)
+    examples = -(-spec.num_vectors // spec.per_example)
+    ids, texts = retained_contexts(tokenizer, spec.retained, spec.split, limit=examples)
+    started = time.perf_counter()
+    x = sample_activations(model, tokenizer, texts, config.layer, spec.num_vectors, spec.per_example, spec.seed,
+                           progress=False)
+    meta = {"layer": config.layer, "backbone": config.backbone, "dtype": config.dtype,
+            "data": f"{spec.retained} {spec.split}: first {len(ids)} contexts (prompt + reference answer)"}
+    atlas = fit_atlas(x, atlas_config, meta)
+    atlas.save(path)
+    print(f"[repro] atlas: {len(x)} vectors from {len(ids)} {spec.retained} {spec.split} contexts, "
+          f"fitted in {time.perf_counter() - started:.0f} s -> {path}", flush=True)
+    return Atlas.load(path)  # loaded back so that its sha256 is known
+
+
+def default_workload(config: ReproConfig, state: Path) -> Workload:
+    """The real workload on `config.backbone` (offline; data verified by sha256)."""
+    from atlas_core.backbone import load_backbone
+    from evaluation.contexts import retained_contexts
+    from evaluation.tasks import eval_gsm8k, eval_mbpp_plus
+
+    backbone = load_backbone(config.backbone, getattr(torch, config.dtype))
+    model, tokenizer = backbone.model, backbone.tokenizer
+    ev = config.eval
+
+    def score_target(m, tok) -> TargetScore:
+        result = eval_mbpp_plus(m, tok, limit=ev.mbpp_plus_limit, max_new_tokens=ev.max_new_tokens,
+                                batch_size=ev.gen_batch_size).result
+        return TargetScore(result.n, result.solved, result.base_solved, result.solved_ids(),
+                           [p.task_id for p in result.problems if p.base_passed])
+
+    def answer_retained(m, tok) -> list:
+        return eval_gsm8k(m, tok, limit=ev.churn_questions, max_new_tokens=ev.max_new_tokens,
+                          batch_size=ev.gen_batch_size).answers
+
+    needs_atlas = any(config.run_config(m.name, 0, 1.0).atlas is not None for m in config.methods)
+    atlas = fit_or_load_atlas(config, model, tokenizer, atlas_path(config, state.parent)) if needs_atlas else None
+    _, contexts = retained_contexts(tokenizer, "gsm8k", "test", limit=ev.kl_contexts)
+    return Workload(model, tokenizer, mbpp_pairs("train"), mbpp_pairs("validation"), heldout_pairs(ev.heldout_limit),
+                    contexts, score_target, answer_retained, atlas,
+                    info={"backbone": backbone.name, "revision": backbone.revision, "dtype": config.dtype})

@@ -1,0 +1,191 @@
+"""The reproduction runner on a tiny model: resume after interruption, a finished experiment
+re-run does no training or scoring, and the results equal an uninterrupted run's."""
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from atlas_core.atlas import AtlasConfig, fit_atlas
+from atlas_core.extract import sample_activations
+from bench.repro import runner as runner_module
+from bench.repro.config import repro_from_dict
+from bench.repro.report import write_report
+from bench.repro.runner import Budget, Runner
+from bench.repro.store import StaleResults
+from bench.repro.workload import TargetScore, Workload
+from evaluation.answers import Answer
+from evaluation.tiny import tiny_llama, tiny_tokenizer
+from tests.train_fixtures import toy_pairs
+
+LAYER = 2
+CONFIG = {
+    "name": "tiny", "backbone": "tiny", "dtype": "float32", "layer": LAYER, "rank": 4,
+    "methods": {"atlas": "configs/train/atlas.yaml", "plain": "configs/train/plain.yaml",
+                "weight-lora": "configs/train/weight-lora.yaml"},
+    "reference": "atlas", "seeds": [0, 1], "epochs": 2, "lr_grid": [3e-3, 1e-1],
+    "eval": {"mbpp_plus_limit": 4, "heldout_limit": 4, "kl_contexts": 6, "churn_questions": 4, "kl_batch_size": 4,
+             "nll_levels": 3},
+}
+
+
+def _pairs(n: int, seed: int, prefix: str) -> list[dict]:
+    return [{"prompt": p, "response": r, "id": f"{prefix}{i}"} for i, (p, r) in enumerate(toy_pairs(n, seed))]
+
+
+class TinyWorld:
+    """Builds the tiny workload and counts what the runner asks of it."""
+
+    def __init__(self):
+        self.calls = Counter()
+
+    def __call__(self) -> Workload:
+        self.calls["workload"] += 1
+        tok = tiny_tokenizer()
+        model = tiny_llama(len(tok), layers=4)
+        texts = [f"The answer is {i} plus {i + 1}. #### {2 * i + 1}" for i in range(48)]
+        x = sample_activations(model, tok, texts, LAYER, 96, progress=False)
+        atlas = fit_atlas(x, AtlasConfig(num_charts=4, rank=4, num_vectors=96), meta={"layer": LAYER})
+        probe = tok(["def add(a, b):\n    return a + b\n"], return_tensors="pt")
+        with torch.no_grad():
+            base_loss = float(model(**probe, labels=probe["input_ids"]).loss)
+
+        def score_target(m, _tok) -> TargetScore:  # stands in for generation + EvalPlus
+            self.calls["score_target"] += 1
+            with torch.no_grad():
+                loss = float(m(**probe, labels=probe["input_ids"]).loss)
+            solved = max(0, min(40, 5 + int(2000 * (base_loss - loss))))
+            ids = [f"Mbpp/{i}" for i in range(solved)]
+            return TargetScore(40, solved, solved, ids, ids)
+
+        def answer_retained(m, _tok) -> list:
+            self.calls["answers"] += 1
+            with torch.no_grad():
+                top = [m(**tok([f"Question {i}:"], return_tensors="pt")).logits[0, -1].argmax() for i in range(4)]
+            return [Answer(f"q{i}", str(int(t)), int(t) % 2 == 0) for i, t in enumerate(top)]
+
+        contexts = [f"Question: {i} + {i} = ? Answer: {2 * i}. The answer is {2 * i}." for i in range(6)]
+        return Workload(model, tok, _pairs(16, 0, "t"), _pairs(6, 1, "v"), _pairs(4, 2, "h"), contexts,
+                        score_target, answer_retained, atlas, info={"backbone": "tiny"})
+
+
+def _run(results: Path, state: Path, world: TinyWorld, minutes: float | None = None) -> bool:
+    return Runner(repro_from_dict(CONFIG), results, state, world, Budget(minutes)).run()
+
+
+def _unit_values(results: Path) -> dict:
+    out = {}
+    for path in sorted((results / "units").glob("*/*.json")):
+        u = json.loads(path.read_text())
+        out[path.relative_to(results).as_posix()] = (u["mbpp_plus"]["solved"], u["heldout_nll"], u["kl"]["mean"],
+                                                     u["val_loss"], u.get("gsm8k_answers"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One uninterrupted run of the whole tiny experiment."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    world = TinyWorld()
+    assert _run(root / "results", root / "state", world)
+    return root, world
+
+
+def test_full_run_stores_every_unit(finished):
+    root, world = finished
+    results = root / "results"
+    units = _unit_values(results)
+    assert len(units) == 3 * 2 * 2  # methods x seeds x epochs (one checkpoint per epoch)
+    assert world.calls["score_target"] == len(units) + 1  # + the base model, nothing scored twice
+    assert world.calls["answers"] == 3 * 2 + 1  # final checkpoints + base
+    base = json.loads((results / "base.json").read_text())
+    assert base["kl"]["mean"] == 0.0  # the zero residual is exactly the base model
+    for method in ("atlas", "plain", "weight-lora"):
+        lr = json.loads((results / "lr" / f"{method}.json").read_text())
+        sweeps = {float(k): v for k, v in lr["val_loss"].items()}
+        assert lr["best_lr"] == min(sweeps, key=sweeps.get)
+        for seed in (0, 1):
+            kls = [json.loads((results / "units" / method / f"seed{seed}-step{s:06d}.json").read_text())["kl"]["mean"]
+                   for s in (2, 4)]
+            assert all(k > 0 for k in kls)  # training moved the retained outputs
+        # seed 0 at the chosen rate is that rate's sweep run; seed 1 trains at the chosen rate only
+        runs = root / "state" / "runs" / method
+        assert sorted(p.name for p in (runs / "seed0").iterdir() if p.is_dir()) == ["lr-0.003", "lr-0.1"]
+        assert [p.name for p in (runs / "seed1").iterdir()] == [f"lr-{lr['best_lr']:g}"]
+
+
+def test_finished_experiment_rerun_does_no_work_and_same_report(finished, monkeypatch):
+    root, _ = finished
+    results = root / "results"
+    first = write_report(results)
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a finished experiment must not train or score")
+
+    monkeypatch.setattr(runner_module, "train", refuse)
+    world = TinyWorld()
+    before = {p: p.read_bytes() for p in results.rglob("*.json")}
+    assert _run(results, root / "state", world)
+    assert world.calls == Counter()  # not even the model was loaded
+    assert {p: p.read_bytes() for p in results.rglob("*.json")} == before
+    assert write_report(results) == first
+    assert "| atlas vs plain |" in first and "| atlas vs weight-lora |" in first
+
+
+def test_budget_stops_and_resume_reproduces_uninterrupted_results(finished, tmp_path):
+    root, _ = finished
+    world = TinyWorld()
+    sessions = 0
+    while not _run(tmp_path / "results", tmp_path / "state", world, minutes=0.0):  # stop after every unit
+        sessions += 1
+        assert sessions < 60
+    assert sessions > 10  # it really was cut into many sessions
+    assert world.calls["score_target"] == 3 * 2 * 2 + 1  # no unit was scored twice
+    assert _unit_values(tmp_path / "results") == _unit_values(root / "results")
+
+
+def test_killed_between_checkpoint_and_score_is_scored_on_resume(finished, tmp_path):
+    root, _ = finished
+    world = TinyWorld()
+    original = world.__call__
+
+    def dying():
+        w = original()
+        inner = w.score_target
+
+        def score(m, tok):
+            if world.calls["score_target"] == 3:  # base + 2 scored, then the session dies mid-unit
+                raise KeyboardInterrupt
+            return inner(m, tok)
+
+        w.score_target = score
+        return w
+
+    with pytest.raises(KeyboardInterrupt):
+        Runner(repro_from_dict(CONFIG), tmp_path / "results", tmp_path / "state", dying, Budget(None)).run()
+    assert _run(tmp_path / "results", tmp_path / "state", world)
+    assert _unit_values(tmp_path / "results") == _unit_values(root / "results")
+
+
+def test_lost_state_dir_retrains_but_does_not_rescore(finished, tmp_path):
+    root, _ = finished
+    world = TinyWorld()
+    shutil.copytree(root / "results", tmp_path / "results")
+    for path in (tmp_path / "results" / "units" / "plain").glob("seed1-step000004.json"):
+        path.unlink()  # the last unit of one run is missing, and the state dir is empty
+    (tmp_path / "results" / "runs" / "plain-seed1.json").unlink()
+    assert _run(tmp_path / "results", tmp_path / "state", world)
+    assert world.calls["score_target"] == 1  # only the missing unit
+    assert _unit_values(tmp_path / "results") == _unit_values(root / "results")
+
+
+def test_other_configuration_is_refused(finished, tmp_path):
+    root, _ = finished
+    shutil.copytree(root / "results", tmp_path / "results")
+    changed = {**CONFIG, "epochs": 3}
+    with pytest.raises(StaleResults, match="another configuration"):
+        Runner(repro_from_dict(changed), tmp_path / "results", tmp_path / "state", TinyWorld(), Budget(None)).run()
