@@ -22,6 +22,11 @@ def _platform():
 
 
 def cmd_update(args: argparse.Namespace) -> int:
+    from .config import load_update_config
+    from .policy import load_policy
+
+    # Validate both files before Prefect starts, so a typo is reported at once.
+    load_policy(args.policy, load_update_config(args.config, backbone=args.backbone, skill=args.skill).retained.domains)
     from .update import update
 
     result = update(config=args.config, policy=args.policy, backbone=args.backbone, skill=args.skill)

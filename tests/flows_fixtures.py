@@ -68,3 +68,44 @@ def state(tmp_path, monkeypatch) -> Path:
 
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def ledger_counts(state: Path) -> dict[str, int]:
+    """Rows per ledger table of a state folder's ledger (to prove reruns add nothing twice)."""
+    from sqlalchemy import func, select
+
+    from registry import default_ledger_url, init_db
+    from registry import models as m
+
+    tables = {"atlases": m.Atlas, "training_runs": m.TrainingRun, "checkpoints": m.Checkpoint,
+              "versions": m.ModelVersion, "evaluations": m.Evaluation, "answers": m.Answer,
+              "gate_decisions": m.GateDecision, "releases": m.Release}
+    with init_db(default_ledger_url(state)) as ledger, ledger.transaction() as s:
+        return {name: s.scalar(select(func.count()).select_from(table)) for name, table in tables.items()}
+
+
+def _crash_after_checkpoints(config: str, policy: str, after: int) -> None:
+    """Run a cycle that dies (SIGKILL: no cleanup at all) right after its `after`-th recorded checkpoint."""
+    import signal
+
+    import flows.training as training
+
+    original, seen = training.record_checkpoint_files, []
+
+    def record_then_die(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.append(out)
+        if len(seen) >= after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    training.record_checkpoint_files = record_then_die
+    from flows.update import update
+
+    update(config, policy)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _crash_after_checkpoints(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -1,0 +1,158 @@
+"""The update cycle on a tiny model under one Prefect test harness: promote, reject, NaN,
+retry, and a crashed cycle resumed without duplicates."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.flows_fixtures import (IMPOSSIBLE_POLICY, PASSING_POLICY, ledger_counts, prefect_harness,  # noqa: F401
+                                  state, tiny_files)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _platform():
+    from flows.platform import open_platform
+
+    return open_platform()
+
+
+def _champion(p, model_name: str):
+    from registry import alias_holder, get_model
+
+    return alias_holder(p.ledger, get_model(p.ledger, model_name).id)
+
+
+def test_passing_cycle_promotes_then_an_unmeetable_policy_rejects(prefect_harness, state, tmp_path):
+    from prefect.client.orchestration import get_client
+
+    from flows.update import update
+    from registry import get_model, latest_gate_decision, list_versions
+
+    config, passing = tiny_files(tmp_path / "cfg", PASSING_POLICY)
+    first = update(config, passing)
+    assert first["promoted"] and first["champion"] == first["selected"] and all(first["candidates"].values())
+    report = Path(first["report"])
+    assert report.is_file() and {"tradeoff.png", "churn.png", "gate.json"} <= {p.name for p in report.parent.iterdir()}
+    text = report.read_text()
+    assert "PROMOTED" in text and "nfr_upper_vs_champion[gsm8k]" in text and "Comparison with the champion" in text
+    with get_client(sync_client=True) as client:
+        assert client.read_artifacts()[0].key == "update-report"
+
+    p = _platform()
+    try:
+        champion = _champion(p, first["model"])
+        assert champion.name == first["selected"]
+        assert p.bridge.aliases(first["model"])["champion"] == champion.mlflow_version  # MLflow agrees with the ledger
+        model = get_model(p.ledger, first["model"])
+        candidates = [v for v in list_versions(p.ledger, model.id) if not v.is_base]
+        assert len(candidates) == 4 and all(latest_gate_decision(p.ledger, v.id).passed for v in candidates)
+    finally:
+        p.close()
+    counts = ledger_counts(state)
+
+    _, impossible = tiny_files(tmp_path / "cfg", IMPOSSIBLE_POLICY)
+    second = update(config, impossible)
+    assert not second["promoted"] and second["champion"] == first["champion"]
+    assert second["previous_champion"] == first["champion"] and first["champion"] not in second["candidates"]
+    assert "REJECTED" in Path(second["report"]).read_text()
+    p = _platform()
+    try:
+        assert _champion(p, first["model"]).name == first["champion"]  # unchanged
+        for name in second["candidates"]:
+            version = next(v for v in candidates if v.name == name)
+            decision = latest_gate_decision(p.ledger, version.id)
+            failed = [c for c in decision.checks if not c.passed]
+            assert not decision.passed and [c.name for c in failed] == ["target_gain_vs_champion"]
+            assert failed[0].threshold == 1000 and decision.release_version_id == champion.id
+    finally:
+        p.close()
+    after = ledger_counts(state)
+    # The second cycle reused the atlas, the training runs and their checkpoints, and the answers
+    # of every version; it added evaluations against the new champion and gate decisions only.
+    for table in ("atlases", "training_runs", "checkpoints", "versions", "releases"):
+        assert after[table] == counts[table], table
+    assert after["gate_decisions"] == counts["gate_decisions"] + 3
+
+
+def test_nan_metric_rejects_and_a_failing_task_is_retried(prefect_harness, state, tmp_path, monkeypatch):
+    from prefect.client.orchestration import get_client
+
+    import flows.evaluate as evaluate
+    from flows.update import update
+    from registry import get_version, latest_evaluation, latest_gate_decision
+
+    real_kl, real_generate, calls = evaluate.retained_kl, evaluate._generate, []
+
+    def nan_for_candidates(cycle, applied, ref, domain):
+        return math.nan if not applied.version.is_base else real_kl(cycle, applied, ref, domain)
+
+    def fail_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("injected: the scorer's worker went away")
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "retained_kl", nan_for_candidates)
+    monkeypatch.setattr(evaluate, "_generate", fail_once)
+    config, policy = tiny_files(tmp_path / "cfg", PASSING_POLICY | {"candidates": {"methods": ["atlas"], "seeds": [0]}})
+    result = update(config, policy)
+    assert not result["promoted"] and result["champion"].endswith("-base")
+    assert set(result["candidates"].values()) == {False}
+
+    p = _platform()
+    try:
+        assert _champion(p, result["model"]) is None
+        for vid in (2, 3):  # the two epoch-end versions (1 is the base)
+            decision = latest_gate_decision(p.ledger, vid)
+            failed = {c.name: c for c in decision.checks if not c.passed}
+            assert {"all_metrics_finite", "kl_vs_champion[gsm8k]", "kl_vs_base[csqa]"} <= set(failed)
+            assert "not finite" in failed["kl_vs_champion[gsm8k]"].detail
+            assert failed["kl_vs_champion[gsm8k]"].measured is None  # stored as NULL, the NaN kept in the detail
+            ev = latest_evaluation(p.ledger, vid)
+            assert ev.kl[0].kl_vs_base is None and get_version(p.ledger, vid).mlflow_version is not None
+    finally:
+        p.close()
+    with get_client(sync_client=True) as client:
+        runs = [r for r in client.read_task_runs() if r.name.startswith("answers-") and r.run_count > 1]
+    assert runs and runs[0].state.is_completed()  # failed once, retried, then completed
+
+
+def test_crashed_cycle_resumes_without_duplicates(prefect_harness, state, tmp_path):
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.update import update
+    from registry import get_model, list_versions
+
+    config, policy = tiny_files(tmp_path / "cfg", PASSING_POLICY)
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "ATLAS_STATE_DIR": str(state),
+           "PYTHONPATH": str(REPO)}
+    # 3 recorded checkpoints: ATLAS finished (2), Weight-LoRA killed after its first.
+    crashed = subprocess.run([sys.executable, "-m", "tests.flows_fixtures", config, policy, "3"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=600)
+    assert crashed.returncode == -9, crashed.stderr[-3000:]
+    partial = ledger_counts(state)
+    assert partial["checkpoints"] == 3 and partial["training_runs"] == 2 and partial["evaluations"] == 0
+
+    result = update(config, policy)
+    assert result["promoted"]
+    counts = ledger_counts(state)
+    assert counts["training_runs"] == 2 and counts["checkpoints"] == 4 and counts["versions"] == 5  # 4 + base
+    assert counts["releases"] == 1 and counts["gate_decisions"] == 4
+
+    p = _platform()
+    try:
+        model = get_model(p.ledger, result["model"])
+        published = [v.mlflow_version for v in list_versions(p.ledger, model.id) if not v.is_base]
+        mlflow_versions = p.bridge.client.search_model_versions(f"name = '{model.name}'")
+        assert sorted(published, key=int) == sorted((v.version for v in mlflow_versions), key=int)  # one each
+        runs = p.bridge.client.search_runs([p.bridge.experiment_id(model.backbone, model.skill)],
+                                           "tags.`ledger.training_run_id` != ''")
+        assert sorted(r.data.tags["ledger.training_run_id"] for r in runs) == ["1", "2"]  # one MLflow run per training run
+    finally:
+        p.close()

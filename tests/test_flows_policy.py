@@ -1,0 +1,118 @@
+"""Release policies, confidence bounds, gate checks and update configs: pure logic, no Prefect."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from flows.config import load_update_config
+from flows.gates import CandidateMetrics, Flips, passed, run_checks, select
+from flows.policy import ReleasePolicy, clopper_pearson_upper, load_policy, wilson_upper
+from flows.schema import ConfigError, build
+from tests.flows_fixtures import PASSING_POLICY, write_yaml
+
+DOMAINS = ["gsm8k", "csqa"]
+
+
+def policy(**changes) -> ReleasePolicy:
+    return build(ReleasePolicy, PASSING_POLICY | {"min_target_gain": 1, "max_kl_vs_champion": {"gsm8k": 0.05, "csqa": 0.05},
+                                                  "max_kl_vs_base": {"gsm8k": 0.1, "csqa": 0.1}} | changes)
+
+
+def candidate(**changes) -> CandidateMetrics:
+    base = dict(version_id=7, name="v7", method="atlas", seed=0, epoch=2, step=8, target_solved=3, target_total=8,
+                champion_solved=2, kl_vs_base={"gsm8k": 0.02, "csqa": 0.03}, kl_vs_champion={"gsm8k": 0.01, "csqa": 0.02},
+                flips_vs_base={"gsm8k": Flips(20, 0, 1, 1), "csqa": Flips(40, 1, 2, 0)},
+                flips_vs_champion={"gsm8k": Flips(20, 0, 0, 1), "csqa": Flips(40, 0, 1, 0)}, csqa_choice_churn=0.025)
+    return CandidateMetrics(**(base | changes))
+
+
+def test_shipped_policies_and_configs_validate():
+    for name in ("default", "strict"):
+        p = load_policy(f"configs/policy/{name}.yaml", DOMAINS)
+        assert p.label.startswith(f"{name}@")
+    for name in ("default", "ci"):
+        assert load_update_config(f"configs/update/{name}.yaml").retained.domains == DOMAINS
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"min_target_gain": "one"}, "min_target_gain: expected an integer"),
+    ({"max_kl_vs_base": {"gsm8k": -1.0, "csqa": 0.1}}, "max_kl_vs_base.gsm8k: expected a finite number >= 0"),
+    ({"nfr": {"bound": "normal"}}, "nfr.bound: expected one of"),
+    ({"nfr": {"max_vs_base": {"gsm8k": 1.5}}}, "nfr.max_vs_base.gsm8k: expected a rate in [0, 1]"),
+    ({"candidates": {"methods": []}}, "candidates.methods: expected a non-empty list"),
+    ({"max_kl_vs_champoin": {}}, "max_kl_vs_champoin: unknown field"),
+])
+def test_policy_errors_name_the_field(tmp_path, changes, message):
+    path = write_yaml(tmp_path / "p.yaml", PASSING_POLICY | changes)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_policy(path, DOMAINS)
+
+
+def test_policy_must_cover_every_watched_domain(tmp_path):
+    path = write_yaml(tmp_path / "p.yaml", PASSING_POLICY | {"max_kl_vs_base": {"gsm8k": 1.0}})
+    with pytest.raises(ConfigError, match=r"max_kl_vs_base: no threshold for watched domain\(s\) \['csqa'\]"):
+        load_policy(path, DOMAINS)
+
+
+def test_update_config_errors_name_the_field(tmp_path):
+    path = write_yaml(tmp_path / "u.yaml", {"retained": {"kl_contexts": "many"}})
+    with pytest.raises(ConfigError, match="retained.kl_contexts: expected an integer, got 'many'"):
+        load_update_config(path)
+    with pytest.raises(ConfigError, match="retained.domains: expected distinct names"):
+        load_update_config(write_yaml(tmp_path / "d.yaml", {"retained": {"domains": ["gsm8k", "mmlu"]}}))
+
+
+def test_confidence_bounds():
+    # Wilson upper bound, one-sided 95% (z = 1.645), k = 0: z^2 / (n + z^2)
+    z2 = 1.6448536269514722 ** 2
+    assert wilson_upper(0, 12) == pytest.approx(z2 / (12 + z2))
+    # Clopper-Pearson, k = 0: 1 - alpha^(1/n); k = n: 1
+    assert clopper_pearson_upper(0, 20) == pytest.approx(1 - 0.05 ** (1 / 20), rel=1e-9)
+    assert clopper_pearson_upper(5, 5) == 1.0
+    scipy_stats = pytest.importorskip("scipy.stats")
+    assert clopper_pearson_upper(3, 40) == pytest.approx(scipy_stats.beta.ppf(0.95, 4, 37), rel=1e-7)
+    assert wilson_upper(3, 40) < clopper_pearson_upper(3, 40)
+    assert math.isnan(wilson_upper(0, 0))
+
+
+def test_a_good_candidate_passes_every_check():
+    checks = run_checks(candidate(), policy())
+    assert passed(checks), [c for c in checks if not c.passed]
+    names = {c.name for c in checks}
+    assert {"target_gain_vs_champion", "kl_vs_champion[gsm8k]", "kl_vs_base[csqa]", "nfr_upper_vs_champion[gsm8k]",
+            "nfr_upper_vs_base[csqa]", "csqa_choice_churn_vs_champion", "all_metrics_finite"} <= names
+    nfr = next(c for c in checks if c.name == "nfr_upper_vs_base[csqa]")
+    assert nfr.measured == pytest.approx(wilson_upper(1, 40)) and "Wilson 95% upper bound; F=1/40" in nfr.detail
+
+
+@pytest.mark.parametrize("changes, failing", [
+    ({"target_solved": 2}, "target_gain_vs_champion"),  # no gain over the champion
+    ({"champion_solved": None}, "target_gain_vs_champion"),  # missing
+    ({"target_solved": 9}, "target_gain_vs_champion"),  # more solved than problems: out of range
+    ({"kl_vs_champion": {"gsm8k": 0.2, "csqa": 0.02}}, "kl_vs_champion[gsm8k]"),
+    ({"kl_vs_champion": {"gsm8k": math.nan, "csqa": 0.02}}, "kl_vs_champion[gsm8k]"),
+    ({"kl_vs_base": {"gsm8k": 0.02}}, "kl_vs_base[csqa]"),  # a watched domain not measured
+    ({"kl_vs_base": {"gsm8k": -0.5, "csqa": 0.03}}, "kl_vs_base[gsm8k]"),  # negative KL is impossible
+    ({"flips_vs_champion": {"gsm8k": Flips(20, 12, 0, 0), "csqa": Flips(40, 0, 1, 0)}}, "nfr_upper_vs_champion[gsm8k]"),
+    ({"flips_vs_base": {"gsm8k": Flips(0, 0, 0, 0), "csqa": Flips(40, 1, 2, 0)}}, "nfr_upper_vs_base[gsm8k]"),
+    ({"csqa_choice_churn": None}, "csqa_choice_churn_vs_champion"),
+    ({"kl_vs_base": {"gsm8k": math.inf, "csqa": 0.03}}, "all_metrics_finite"),
+])
+def test_fail_closed(changes, failing):
+    checks = run_checks(candidate(**changes), policy(nfr={"max_vs_champion": {"gsm8k": 0.3, "csqa": 0.3},
+                                                          "max_vs_base": {"gsm8k": 0.3, "csqa": 0.3}},
+                                                     max_csqa_choice_churn=0.1))
+    bad = [c.name for c in checks if not c.passed]
+    assert failing in bad and not passed(checks)
+
+
+def test_selection_takes_the_lowest_kl_among_passing():
+    p = policy()
+    a = candidate(version_id=1, kl_vs_champion={"gsm8k": 0.03, "csqa": 0.03})
+    b = candidate(version_id=2, kl_vs_champion={"gsm8k": 0.01, "csqa": 0.02}, target_solved=3)
+    c = candidate(version_id=3, kl_vs_champion={"gsm8k": 0.001, "csqa": 0.001}, target_solved=2)  # fails target
+    verdicts = {m.version_id: passed(run_checks(m, p)) for m in (a, b, c)}
+    assert verdicts == {1: True, 2: True, 3: False}
+    assert select([a, b, c], verdicts, p).version_id == 2
+    assert select([c], {3: False}, p) is None
