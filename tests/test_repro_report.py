@@ -64,7 +64,7 @@ def test_report_gives_the_hand_computed_comparisons(results):
     assert "| atlas | 2 | 4 | 0.500 -> 0.500 | 1.0 | 1.0 | 0.0 | 0.500 | 0.250 |" in text
     assert "| atlas | 0.9000 | 1.2000 | 0.001 |" in text  # sweep table: best val loss per rate, chosen rate
     assert "| atlas | 3 | 1 | 14.0/20 | 15.0/20 | 0.6000 | 0.04 |" in text  # epoch 3: only seed 0 has it
-    assert "| training, per epoch | 4 runs | 30.0 |" in text
+    assert "| training, per epoch | 4 runs | 30.0 | - |" in text and "| kl | 10 | 2.0 | - |" in text
     for png in ("tradeoff_solved.png", "tradeoff_nll.png", "churn.png"):
         assert (results / png).stat().st_size > 1000
     assert write_report(results) == text  # from the files only: the same every time

@@ -145,18 +145,23 @@ def churn_table(r: dict) -> tuple[str, dict]:
 
 
 def cost_table(r: dict) -> str:
-    """Measured seconds per scored checkpoint (means over units) and training seconds per epoch."""
-    phases = defaultdict(list)
-    for u in r["all_units"]:
+    """Measured seconds per phase of a scored checkpoint (means over units; wall clock and CPU
+    seconds of this process and its EvalPlus children) and the trainer's seconds per epoch."""
+    wall, cpu = defaultdict(list), defaultdict(list)
+    for u in ([r["base"]] if r["base"] else []) + r["all_units"]:
         for k, v in u["seconds"].items():
-            phases[k].append(v)
-    lines = ["| phase | units | mean seconds |", "|---|---:|---:|"]
-    lines += [f"| {k} | {len(v)} | {sum(v) / len(v):.1f} |" for k, v in sorted(phases.items())]
+            wall[k].append(v)
+        for k, v in u.get("cpu_seconds", {}).items():
+            cpu[k].append(v)
+    mean = lambda v: f"{sum(v) / len(v):.1f}" if v else "-"  # noqa: E731
+    lines = ["| phase | units | mean wall s | mean CPU s |", "|---|---:|---:|---:|"]
+    lines += [f"| {k} | {len(v)} | {mean(v)} | {mean(cpu.get(k, []))} |" for k, v in sorted(wall.items())]
     per_epoch = [run["train_seconds"] / (run["steps"][-1] / run["steps_per_epoch"])
                  for run in r["runs"].values() if run["steps"]]
     if per_epoch:
-        lines.append(f"| training, per epoch | {len(per_epoch)} runs | {sum(per_epoch) / len(per_epoch):.1f} |")
-    return "\n".join(lines) + "\n"
+        lines.append(f"| training, per epoch | {len(per_epoch)} runs | {mean(per_epoch)} | - |")
+    return "\n".join(lines) + "\n(`train`: wall time from the previous unit to this checkpoint: training, validation, "\
+        "checkpoint writing, and for a run's first checkpoint its setup.)\n"
 
 
 def write_report(root: Path) -> str:

@@ -22,6 +22,7 @@ when the time used, or the time used plus that unit's duration, exceeds the budg
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
@@ -73,6 +74,7 @@ class Runner:
         self._data = None
         self._caches: dict = {}  # (kind, layer) -> prefix caches / KL sets, reused by every run
         self._unit_started = 0.0
+        self._unit_clock = _Clock()
 
     # ------------------------------------------------------------------ plan
     def complete(self) -> bool:
@@ -92,6 +94,7 @@ class Runner:
             self.store.record_atlas(self.w.atlas.sha256, self.w.atlas.meta)
         try:
             self._unit_started = time.monotonic()
+            self._unit_clock = _Clock()
             if self.store.read(self.store.base_path()) is None:
                 self.base()
             for m in self.config.methods:
@@ -107,6 +110,7 @@ class Runner:
         return self.complete()
 
     def _unit_done(self) -> None:
+        self._unit_clock = _Clock()
         now = time.monotonic()
         seconds, self._unit_started = now - self._unit_started, now
         self.budget.after_unit(seconds)
@@ -146,27 +150,23 @@ class Runner:
     # ------------------------------------------------------------------ scoring
     def _score(self, adapter, final: bool) -> dict:
         w, ev = self.w, self.config.eval
-        timings = {}
-        started = time.perf_counter()
+        clock = _Clock()
         with _adapted(w.model, adapter):
             target = w.score_target(w.model, w.tokenizer)
-        timings["mbpp_plus"] = time.perf_counter() - started
-        started = time.perf_counter()
+        clock.lap("mbpp_plus")
         data, cache = self._heldout(adapter.cache_layer)
         nll = mean_loss(w.model, adapter, data.train, cache, data.pad_id, ev.kl_batch_size)
-        timings["heldout_nll"] = time.perf_counter() - started
-        started = time.perf_counter()
+        clock.lap("heldout_nll")
         kl, reference = self._kl(adapter)
         moved = kl.kl(reference, adapter.residual if isinstance(adapter, ResidualAdapter) else None)
-        timings["kl"] = time.perf_counter() - started
+        clock.lap("kl")
         record = {"mbpp_plus": asdict(target), "heldout_nll": nll,
                   "kl": {"mean": moved.mean, "positions": moved.positions, "contexts": len(moved.per_context)}}
         if final:
-            started = time.perf_counter()
             with _adapted(w.model, adapter):
                 record["gsm8k_answers"] = _answers(w.answer_retained(w.model, w.tokenizer))
-            timings["gsm8k"] = time.perf_counter() - started
-        record["seconds"] = {k: round(v, 2) for k, v in timings.items()}
+            clock.lap("gsm8k")
+        record["seconds"], record["cpu_seconds"] = clock.wall, clock.cpu
         return record
 
     def base(self) -> None:
@@ -266,7 +266,10 @@ class Runner:
             step = state["step"]
             if self.store.read(self.store.unit_path(method, seed, step)) is not None:
                 return
+            self._unit_clock.lap("train")  # training since the previous unit (with validation and checkpoint)
             record = self._score(adapter, final=state["finished"])
+            record["seconds"]["train"], record["cpu_seconds"]["train"] = (self._unit_clock.wall["train"],
+                                                                          self._unit_clock.cpu["train"])
             self.store.write(self.store.unit_path(method, seed, step), {
                 "kind": "checkpoint", "method": method, "seed": seed, "lr": lr, "step": step,
                 "epoch": step / steps, "final": state["finished"],
@@ -287,6 +290,25 @@ class Runner:
             "kind": "run", "method": method, "seed": seed, "lr": lr, "steps_per_epoch": steps,
             "steps": [int(Path(c).name.split("-")[1]) for c in summary.checkpoints],
             "train_seconds": round(summary.seconds, 1), "tokens": summary.tokens})
+
+
+class _Clock:
+    """Wall and CPU seconds per phase. CPU time (this process and the EvalPlus children it
+    waited for) is what a phase costs when the shared machine is busy with other jobs."""
+
+    def __init__(self):
+        self.wall, self.cpu = {}, {}
+        self._mark = self._now()
+
+    @staticmethod
+    def _now() -> tuple[float, float]:
+        t = os.times()
+        return time.perf_counter(), t.user + t.system + t.children_user + t.children_system
+
+    def lap(self, name: str) -> None:
+        now = self._now()
+        self.wall[name], self.cpu[name] = round(now[0] - self._mark[0], 2), round(now[1] - self._mark[1], 2)
+        self._mark = now
 
 
 def _val_losses(checkpoints: list[str]) -> dict:

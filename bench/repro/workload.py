@@ -73,9 +73,10 @@ def heldout_pairs(limit: int) -> list[dict]:
 
 
 def atlas_path(config: ReproConfig, root: Path) -> Path:
-    """Shared by every experiment with the same backbone, dtype, layer and atlas spec (so a smoke
-    run fits the atlas the full run then loads)."""
-    key = json.dumps([config.backbone, config.dtype, config.layer, asdict(config.atlas)], sort_keys=True)
+    """Shared by every experiment with the same backbone, layer and atlas spec: a smoke run fits
+    the atlas the full run then loads, and the fp32 check uses the same atlas as the bf16 run
+    (the dtype it was extracted in is in its meta; routing always runs in fp32)."""
+    key = json.dumps([config.backbone, config.layer, asdict(config.atlas)], sort_keys=True)
     return root / "atlases" / f"{config.backbone}-L{config.layer}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.safetensors"
 
 
