@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from atlas_core.atlas import AtlasConfig, fit_atlas
+from atlas_core.atlas import AtlasConfig, fit_atlas, route
 from atlas_core.backbone import decoder_layers, hidden_at_layer
 from atlas_core.io import IntegrityError
 from atlas_core.residual import RESIDUAL_VARIANTS, ResidualConfig, attach, build_residual, load_adapter, save_adapter
@@ -76,9 +76,11 @@ def test_calibrated_scales(tiny):
     r, atlas = residual_for(tiny, "centered-distance", scale="calibrated")
     full, _ = residual_for(tiny, "atlas", scale="calibrated")
     x = atlas.calibration
-    _, e, e_u, c = full._offset(x)
-    z = full._z_norm(e, e_u, c)
-    assert float(full.s) == pytest.approx(float(z.median()), rel=1e-5)
+    w = route(x, full.centers, full.tau, 4)
+    e = x - w @ full.centers
+    bases = full.U.T.reshape(-1, full.m, full.dim).transpose(1, 2)
+    z = torch.stack([(slow_filter_matrix(w[i], bases, 1.0) @ e[i]).norm() for i in range(len(x))])
+    assert float(full.s) == pytest.approx(float(z.median()), rel=1e-4)
     e_norm = e.norm(dim=1)
     assert float((e_norm / (e_norm + r.s_d)).mean()) == pytest.approx(float((z / (z + full.s)).mean()), rel=1e-4)
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from atlas_core.atlas import Atlas, AtlasConfig, apply_filter, fit_atlas, route
+from atlas_core.atlas import Atlas, AtlasConfig, apply_filter, fit_atlas, route, route_with_offset
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +35,12 @@ def test_routing_matches_reference_and_sums_to_one_over_n(atlas):
     torch.testing.assert_close(w, slow_weights(h, atlas.centers, atlas.tau, 4), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(w.sum(1), torch.ones(50))
     assert ((w > 0).sum(1) == 4).all()
+
+
+def test_offset_norm_from_routing_equals_explicit_offset(atlas):
+    h = torch.randn(50, 32) * 3 + atlas.centers[torch.arange(50) % 8]
+    w, offset_sq = route_with_offset(h, atlas.centers, atlas.tau, top_n=4)
+    torch.testing.assert_close(offset_sq, ((h - w @ atlas.centers) ** 2).sum(1), rtol=1e-4, atol=1e-3)
 
 
 def test_routing_in_bf16_uses_fp32_distances(atlas):

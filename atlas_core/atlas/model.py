@@ -82,17 +82,29 @@ class Atlas:
 
 # ---------------------------------------------------------------------- routing and filter
 def route(h: torch.Tensor, centers: torch.Tensor, tau: float, top_n: int) -> torch.Tensor:
-    """Chart weights (N, K): softmax(-D_c / tau) over the top_n nearest centers, zero elsewhere.
+    """Chart weights (N, K): softmax(-D_c / tau) over the top_n nearest centers, zero elsewhere."""
+    return route_with_offset(h, centers, tau, top_n)[0]
+
+
+def route_with_offset(h: torch.Tensor, centers: torch.Tensor, tau: float, top_n: int,
+                      center_gram: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chart weights W (N, K) and ||h - mu(h)||^2 (N,), both fp32.
 
     Distances are computed in fp32 whatever the input dtype: in bf16 the whole top-n set
-    matched fp32 for only 65% of tokens (spec section 2).
+    matched fp32 for only 65% of tokens (spec section 2). The squared offset from the routed
+    center mu(h) = W C comes from the same dot products, ||h||^2 - 2 W.(h C^T) + W (C C^T) W^T,
+    so callers never need to form h - mu(h) (a pass over N x d).
     """
     h = h.float()
-    d2 = (h * h).sum(-1, keepdim=True) - 2.0 * (h @ centers.T) + (centers * centers).sum(-1)  # (N, K)
+    h_sq = (h * h).sum(-1)  # (N,)
+    dots = h @ centers.T  # (N, K)
+    d2 = h_sq[:, None] - 2.0 * dots + (centers * centers).sum(-1)
     n = min(top_n, centers.shape[0])
     nearest, idx = d2.topk(n, dim=-1, largest=False)  # (N, n)
-    weights = torch.softmax(-nearest / tau, dim=-1)
-    return torch.zeros_like(d2).scatter_(-1, idx, weights)
+    weights = torch.zeros_like(d2).scatter_(-1, idx, torch.softmax(-nearest / tau, dim=-1))
+    gram = centers @ centers.T if center_gram is None else center_gram  # (K, K)
+    offset_sq = h_sq - 2.0 * (weights * dots).sum(-1) + ((weights @ gram) * weights).sum(-1)
+    return weights, offset_sq.clamp_min_(0.0)
 
 
 def apply_filter(x: torch.Tensor, weights: torch.Tensor, flat_bases: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:

@@ -4,15 +4,17 @@ Full ATLAS, with e = h - mu(h) the offset from the routed center:
     z(h)     = P(h) e                     # filtered offset
     rho(h)   = ||z|| / (||z|| + s)
     Delta(h) = rho(h) P(h) B A z(h)
-Only A (r x d) and B (d x r) train. The filter is never materialised: with U = [U_1..U_K]
-(d, Km) and per-token chart weights repeated m times (Wm, (N, Km)),
-    U^T e = U^T h - W (mu U)              one (N, d) x (d, Km) GEMM
-    c     = alpha Wm * U^T e              so z = e - U c
-    A z   = A e - c (A U)^T               (A U is r x Km: no second pass over d)
-    ||z||^2 = ||e||^2 - 2 c.(U^T e) + c^T (U^T U) c
-    P B a = B a - U (alpha Wm * (a (B^T U)))
-    Delta = rho [a, c2] [B^T; -U^T]       one (N, r + Km) x (r + Km, d) GEMM
-so a token costs two d x Km GEMMs plus small ones, whatever K is.
+Only A (r x d) and B (d x r) train. Neither the filter nor e is ever materialised. With
+U = [U_1..U_K] (d, Km), C the centers (K, d) and Wm the chart weights repeated m times:
+    [U^T h, A h] = h [U, A^T]             one (N, d) x (d, Km + r) GEMM
+    U^T e = U^T h - W (C U)               (C U is K x Km)
+    c     = alpha Wm * U^T e              so that z = e - U c
+    A z   = A h - W (C A^T) - c (A U)^T   (A U is r x Km)
+    ||e||^2 from the routing distances; ||z||^2 = ||e||^2 - 2 c.(U^T e) + c^T (U^T U) c
+    P B a = B a - alpha U c2,  c2 = Wm * (a (B^T U))
+    Delta = [rho a, rho c2] [B^T; -alpha U^T]   one (N, r + Km) x (r + Km, d) GEMM
+so a token costs two d x (Km + r) GEMMs plus small ones, whatever K is, and the only
+passes over (N, d) are reading h and writing Delta.
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ import math
 import torch
 from torch import nn
 
-from ..atlas import Atlas, route
+from ..atlas import Atlas, route_with_offset
 from .config import FULL_FORM, ResidualConfig
+
+CENTERED = ("centered", "centered-distance")
 
 
 class AtlasResidual(nn.Module):
@@ -46,19 +50,20 @@ class AtlasResidual(nn.Module):
 
         # Frozen atlas geometry; not persistent: adapters record the atlas by sha256 instead.
         if needed is not None:
-            k, m = atlas.num_charts, atlas.rank
             flat = atlas.flat_bases().float()  # (d, Km)
-            self.register_buffer("centers", atlas.centers.float(), persistent=False)  # (K, d)
+            centers = atlas.centers.float()
+            self.register_buffer("centers", centers, persistent=False)  # (K, d)
+            self.register_buffer("center_gram", centers @ centers.T, persistent=False)  # (K, K)
             self.register_buffer("U", flat, persistent=False)  # (d, Km)
-            self.register_buffer("centers_U", atlas.centers.float() @ flat, persistent=False)  # (K, Km)
+            self.register_buffer("centers_U", centers @ flat, persistent=False)  # (K, Km)
             self.register_buffer("gram", flat.T @ flat, persistent=False)  # (Km, Km)
-            self.tau, self.m = atlas.tau, m
+            self.tau, self.m = atlas.tau, atlas.rank
         # Scales: s for full ATLAS, s_d for centered-distance; set by calibrate() if asked.
         self.register_buffer("s", torch.tensor(float(config.scale) if config.scale != "calibrated" else float("nan")))
         self.register_buffer("s_d", torch.tensor(float("nan")))
-        if atlas is not None and needed is not None and self._needs_calibration():
-            self.calibrate(atlas.calibration)
         self._cache: dict = {}
+        if needed is not None and self._needs_calibration():
+            self.calibrate(atlas.calibration)
 
     def _needs_calibration(self) -> bool:
         v = self.config.variant
@@ -68,34 +73,46 @@ class AtlasResidual(nn.Module):
         return f"variant={self.config.variant}, d={self.dim}, r={self.config.rank}, layer={self.config.layer}"
 
     # ------------------------------------------------------------------ pieces of the operator
-    def _offset(self, x: torch.Tensor, filtered: bool = True):
-        """Routing and the pieces of the filtered offset for x (N, d): (Wm, e, U^T e, c)."""
-        w = route(x, self.centers, self.tau, self.config.top_n)  # (N, K) fp32
-        e = x - (w @ self.centers).to(x.dtype)  # (N, d) offset from the routed center
-        if not filtered:
-            return None, e, None, None
-        wm = w.repeat_interleave(self.m, dim=1).to(x.dtype)  # (N, Km)
-        u = self.U.to(x.dtype)
-        e_u = x @ u - (w @ self.centers_U).to(x.dtype)  # (N, Km) = U^T e
-        c = self.config.alpha * wm * e_u  # (N, Km): z = e - U c
-        return wm, e, e_u, c
+    def _operands(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Products of the geometry with A and B, in the compute dtype.
 
-    def _z_norm(self, e: torch.Tensor, e_u: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        Rebuilt on every call while A or B train (they carry gradients); cached otherwise,
+        which is what keeps decoding cheap.
+        """
+        key = (self.A._version, self.B._version, dtype)
+        if self._cache.get("key") == key and not (torch.is_grad_enabled() and self.A.requires_grad):
+            return self._cache
+        a, b = self.A.to(dtype), self.B.to(dtype)
+        ops = {"A": a, "B": b}
+        if self.config.variant != "plain":
+            centers = self.centers.to(dtype)
+            ops["centers_A"] = centers @ a.T  # (K, r)
+        if self.config.variant not in CENTERED and self.config.variant != "plain":
+            u = self.U.to(dtype)
+            ops["U_A"] = torch.cat([u, a.T], 1)  # (d, Km + r)
+            ops["centers_U"] = self.centers_U.to(dtype)  # (K, Km)
+            ops["AU"] = a @ u  # (r, Km)
+            ops["BtU"] = b.T @ u  # (r, Km)
+            ops["out"] = torch.cat([b.T, -self.config.alpha * u.T], 0)  # (r + Km, d)
+        if not torch.is_grad_enabled() or not self.A.requires_grad:
+            self._cache = {**ops, "key": key}
+        return ops
+
+    def _filtered(self, x: torch.Tensor, w: torch.Tensor, ops: dict) -> tuple[torch.Tensor, ...]:
+        """(A h, Wm, U^T e, c) for x (N, d) routed with weights w (N, K)."""
+        proj = x @ ops["U_A"]  # (N, Km + r)
+        km = proj.shape[1] - self.config.rank
+        wd = w.to(x.dtype)
+        wm = wd.repeat_interleave(self.m, dim=1)  # (N, Km)
+        e_u = proj[:, :km] - wd @ ops["centers_U"]  # (N, Km) = U^T e
+        c = self.config.alpha * wm * e_u  # z = e - U c
+        return proj[:, km:], wm, e_u, c
+
+    def _z_norm(self, e_sq: torch.Tensor, e_u: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """||z|| (N,) in fp32 without forming z."""
         c32 = c.float()
-        z2 = e.float().pow(2).sum(-1) - 2 * (c32 * e_u.float()).sum(-1) + ((c32 @ self.gram) * c32).sum(-1)
+        z2 = e_sq - 2 * (c32 * e_u.float()).sum(-1) + ((c32 @ self.gram) * c32).sum(-1)
         return z2.clamp_min(0).sqrt()
-
-    def _products(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A U) (r, Km) and (B^T U) (r, Km); cached while A and B do not change (decoding)."""
-        key = (self.A._version, self.B._version, dtype)
-        if torch.is_grad_enabled() and (self.A.requires_grad or self.B.requires_grad):
-            return self.A.to(dtype) @ self.U.to(dtype), self.B.T.to(dtype) @ self.U.to(dtype)
-        if self._cache.get("key") != key:
-            with torch.no_grad():
-                u = self.U.to(dtype)
-                self._cache = {"key": key, "AU": self.A.to(dtype) @ u, "BtU": self.B.T.to(dtype) @ u}
-        return self._cache["AU"], self._cache["BtU"]
 
     # ------------------------------------------------------------------ forward
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -103,39 +120,42 @@ class AtlasResidual(nn.Module):
         if h.shape[-1] != self.dim:
             raise ValueError(f"h: expected last dimension d={self.dim}, got shape {tuple(h.shape)}")
         x = h.reshape(-1, self.dim)  # (N, d)
-        a_w, b_w = self.A.to(x.dtype), self.B.to(x.dtype)
+        ops = self._operands(x.dtype)
         variant = self.config.variant
         if variant == "plain":
-            return ((x @ a_w.T) @ b_w.T).view_as(h)
-        wm, e, e_u, c = self._offset(x, filtered=variant not in ("centered", "centered-distance"))
-        if variant in ("centered", "centered-distance"):
-            out = (e @ a_w.T) @ b_w.T
+            return ((x @ ops["A"].T) @ ops["B"].T).view_as(h)
+        w, e_sq = route_with_offset(x, self.centers, self.tau, self.config.top_n, self.center_gram)  # fp32
+        wd = w.to(x.dtype)
+        if variant in CENTERED:
+            a = x @ ops["A"].T - wd @ ops["centers_A"]  # (N, r) = A e
             if variant == "centered-distance":
-                norm = e.float().norm(dim=-1)
-                out = out * (norm / (norm + self.s_d)).to(x.dtype)[:, None]
-            return out.view_as(h)
-        a_u, bt_u = self._products(x.dtype)
-        a = e @ a_w.T - c @ a_u.T  # (N, r) = A z
+                norm = e_sq.sqrt()
+                a = a * (norm / (norm + self.s_d)).to(x.dtype)[:, None]
+            return (a @ ops["B"].T).view_as(h)
+        x_a, wm, e_u, c = self._filtered(x, w, ops)
+        a = x_a - wd @ ops["centers_A"] - c @ ops["AU"].T  # (N, r) = A z
         if variant == "input-filter":
-            return (a @ b_w.T).view_as(h)
-        c2 = self.config.alpha * wm * (a @ bt_u)  # (N, Km): U^T-coefficients removed from B a
-        out = torch.cat([a, c2], 1) @ torch.cat([b_w.T, -self.U.T.to(x.dtype)], 0)  # (N, d) = P(h) B a
-        norm = self._z_norm(e, e_u, c)
-        rho = (norm / (norm + self.s)).to(x.dtype)
-        return (rho[:, None] * out).view_as(h)
+            return (a @ ops["B"].T).view_as(h)
+        c2 = wm * (a @ ops["BtU"])  # (N, Km): P(h) B a = B a - alpha U c2
+        norm = self._z_norm(e_sq, e_u, c)
+        rho = (norm / (norm + self.s)).to(x.dtype)[:, None]
+        return (torch.cat([rho * a, rho * c2], 1) @ ops["out"]).view_as(h)  # rho folded in before the GEMM
 
     # ------------------------------------------------------------------ calibration
     @torch.no_grad()
     def calibrate(self, x: torch.Tensor) -> None:
         """Set s = median ||z|| (if scale='calibrated') and s_d so that centered-distance's mean
         amplitude rho_d matches full ATLAS's mean rho on the calibration vectors x (S, d)."""
-        _, e, e_u, c = self._offset(x.float())
-        z = self._z_norm(e, e_u, c)
+        x = x.float()
+        w, e_sq = route_with_offset(x, self.centers, self.tau, self.config.top_n, self.center_gram)
+        ops = {"U_A": torch.cat([self.U, self.A.T], 1), "centers_U": self.centers_U}
+        _, _, e_u, c = self._filtered(x, w, ops)
+        z = self._z_norm(e_sq, e_u, c)
         if self.config.scale == "calibrated":
             self.s.fill_(float(z.median()))
         if self.config.variant == "centered-distance":
             target = float((z / (z + self.s)).mean())
-            self.s_d.fill_(_solve_scale(e.norm(dim=-1), target))
+            self.s_d.fill_(_solve_scale(e_sq.sqrt(), target))
 
 
 def _solve_scale(norms: torch.Tensor, target: float) -> float:
