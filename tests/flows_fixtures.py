@@ -90,11 +90,11 @@ def _crash_after_checkpoints(config: str, policy: str, after: int) -> None:
 
     import flows.training as training
 
-    original, seen = training.record_checkpoint_files, []
+    original, seen = training.record_checkpoint_files, set()
 
-    def record_then_die(*args, **kwargs):
-        out = original(*args, **kwargs)
-        seen.append(out)
+    def record_then_die(cycle, training_run_id, path):
+        out = original(cycle, training_run_id, path)
+        seen.add(str(path))  # recording one again (reconcile) does not count
         if len(seen) >= after:
             os.kill(os.getpid(), signal.SIGKILL)
         return out

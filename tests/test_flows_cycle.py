@@ -150,7 +150,7 @@ def test_crashed_cycle_resumes_without_duplicates(prefect_harness, state, tmp_pa
         model = get_model(p.ledger, result["model"])
         published = [v.mlflow_version for v in list_versions(p.ledger, model.id) if not v.is_base]
         mlflow_versions = p.bridge.client.search_model_versions(f"name = '{model.name}'")
-        assert sorted(published, key=int) == sorted((v.version for v in mlflow_versions), key=int)  # one each
+        assert sorted(published, key=int) == sorted((str(v.version) for v in mlflow_versions), key=int)  # one each
         runs = p.bridge.client.search_runs([p.bridge.experiment_id(model.backbone, model.skill)],
                                            "tags.`ledger.training_run_id` != ''")
         assert sorted(r.data.tags["ledger.training_run_id"] for r in runs) == ["1", "2"]  # one MLflow run per training run
