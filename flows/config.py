@@ -19,7 +19,7 @@ from .schema import ConfigError, build, field, load_yaml
 
 SCORERS = ("mbpp-plus", "response-match")
 DTYPES = ("float32", "bfloat16")
-EVALUATE = ("epoch-ends", "all")
+EVALUATE = ("epoch-ends", "all", "final")
 
 
 def _positive(obj, *names: str) -> None:
@@ -115,7 +115,8 @@ class UpdateConfig:
     dtype: str = field(f"Model dtype, one of {DTYPES}.", "bfloat16")
     skill: str = field("Name of the skill being added (the registered model is '<backbone>.<skill>').", "code")
     layer: int = field("Decoder layer l of the residual / LoRA (-1: the middle layer).", -1)
-    evaluate: str = field(f"Which checkpoints become candidates, one of {EVALUATE}.", "epoch-ends")
+    evaluate: str = field(f"Which checkpoints become candidates, one of {EVALUATE}: each epoch's last, every "
+                          "checkpoint, or only each run's final one.", "epoch-ends")
     data: SkillData = field("Skill training data.", factory=SkillData)
     target: TargetSpec = field("Target (skill) scoring.", factory=TargetSpec)
     retained: RetainedSpec = field("Retained domains and their evaluation subsets.", factory=RetainedSpec)

@@ -77,9 +77,9 @@ def record_checkpoint_files(cycle: Cycle, training_run_id: int, path: Path) -> i
     ckpt = record_checkpoint(cycle.ledger, training_run_id, state["epoch"], state["step"], adapter, metrics)
     if state["step"] not in known:
         log_checkpoint(cycle.ledger, cycle.platform.bridge, ckpt.id)
-    if state.get("epoch_end") or cycle.config.evaluate == "all":
+    if (state.get("epoch_end") and cycle.config.evaluate == "epoch-ends") or cycle.config.evaluate == "all":
         return register_version(cycle.ledger, ckpt.id).id
-    return 0
+    return 0  # "final": registered once the run is finished (reconcile_checkpoints)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
@@ -114,8 +114,11 @@ def reconcile_checkpoints(cycle: Cycle, training_run_id: int, checkpoints: list[
         if Path(path).is_dir():
             record_checkpoint_files(cycle, training_run_id, Path(path))
     finish_training_run(cycle.ledger, training_run_id, "finished")
-    eligible = [cid for cid, _, _, m in run_checkpoints(cycle.ledger, training_run_id)
-                if m.get("epoch_end") or cycle.config.evaluate == "all"]
+    recorded = run_checkpoints(cycle.ledger, training_run_id)
+    mode = cycle.config.evaluate
+    eligible = [cid for cid, _, _, m in recorded if mode == "all" or (mode == "epoch-ends" and m.get("epoch_end"))]
+    if mode == "final" and recorded:
+        eligible = [recorded[-1][0]]
     return [register_version(cycle.ledger, cid).id for cid in eligible]
 
 
