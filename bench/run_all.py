@@ -12,6 +12,7 @@ machine: with 2 cores, any other process halves what a benchmark measures.
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import subprocess
 import sys
@@ -35,7 +36,8 @@ def run(name: str) -> str:
     args, _ = BENCHMARKS[name]
     if not (ROOT / args[0]).is_file():
         return f"(not run: {args[0]} does not exist yet)"
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1"}  # as the platform runs
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env)
     # Keep the report lines; drop progress bars and library chatter that went to stderr.
     out = proc.stdout.strip()
     if proc.returncode != 0:

@@ -46,7 +46,8 @@ def eval_mbpp_plus(
     problems = _first(load_mbpp_plus("test"), limit)
     prompts = [render(tokenizer, code_message(p["text"], p["first_test"]), "code", chat_template_kwargs)
                for p in problems]
-    completions = generate(model, tokenizer, prompts, max_new_tokens, batch_size, desc="MBPP+")
+    # The closing fence ends the answer: what follows (explanations, usage) is never scored.
+    completions = generate(model, tokenizer, prompts, max_new_tokens, batch_size, stop=("\n```\n",), desc="MBPP+")
     solutions = {p["task_id"]: extract_code(c, p["entry_point"]) for p, c in zip(problems, completions)}
     result = score_mbpp_plus(solutions, results_path=results_path)
     return CodeEval(result, dict(zip(problems["task_id"], completions)))

@@ -9,6 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export HF_HUB_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false
+# Passive OpenMP waiting: spinning threads slow small ops 5-10x whenever another process shares the cores.
+export OMP_WAIT_POLICY=PASSIVE
 start=$(date +%s)
 .venv/bin/atlas update "$@"
 echo "main job finished in $(( $(date +%s) - start )) s"
