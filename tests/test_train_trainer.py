@@ -183,3 +183,15 @@ def test_resume_refuses_other_config(tmp_path):
         train(model, residual, make(other), other, tmp_path)
     with pytest.raises(ValueError, match="already holds checkpoints"):
         train(model, residual, make(config), config, tmp_path, resume=False)
+
+
+def test_weight_lora_factors_stay_fp32_in_a_bf16_model():
+    model = tiny_model("llama").to(torch.bfloat16)
+    lora = WeightLoRA(model, layer=2, rank=4)
+    assert lora.lora_A.dtype == lora.lora_B.dtype == torch.float32
+    assert lora.base.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        lora.lora_B.normal_()
+    out = model(input_ids=torch.randint(3, 97, (1, 5))).logits
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    lora.remove()

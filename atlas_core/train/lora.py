@@ -56,6 +56,10 @@ class WeightLoRA:
         config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=[self.module_name], lora_dropout=0.0, bias="none")
         inject_adapter_in_model(config, model, adapter_name=_ADAPTER_NAME)
         self.lora = model.get_submodule(self.module_name)
+        # Trainable factors stay fp32 in a bf16 model, like the residual's A and B: bf16 Adam
+        # updates of 2e-4 are below its precision. PEFT casts the input to them and back.
+        self.lora.lora_A[_ADAPTER_NAME].float()
+        self.lora.lora_B[_ADAPTER_NAME].float()
         self.lora_A = self.lora.lora_A[_ADAPTER_NAME].weight  # (r, d_in)
         self.lora_B = self.lora.lora_B[_ADAPTER_NAME].weight  # (d_out, r)
         with torch.no_grad():  # PEFT draws A from the global RNG; draw it from our seed instead

@@ -192,13 +192,7 @@ class Runner:
         return replace(rc, train=replace(rc.train, checkpoint_every_steps=every)), steps
 
     def _new_adapter(self, rc):
-        adapter = as_adapter(build_adapter(rc, self.w.model, self.w.atlas))
-        if isinstance(adapter, WeightLoRA):
-            # PEFT gives the factors the backbone's dtype; in fp32 they train with fp32 AdamW
-            # state like the residual's A and B (PEFT casts inputs to them and the sum back).
-            adapter.lora.lora_A["default"].float()
-            adapter.lora.lora_B["default"].float()
-        return adapter
+        return as_adapter(build_adapter(rc, self.w.model, self.w.atlas))  # LoRA factors are fp32 (WeightLoRA)
 
     @contextmanager
     def _adapter(self, rc):
