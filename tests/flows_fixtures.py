@@ -48,13 +48,25 @@ def tiny_files(folder: Path, policy: dict = PASSING_POLICY, **config_changes) ->
             write_yaml(folder / f"{policy['name']}.yaml", policy))
 
 
+_HARNESS: list = []
+
+
 @pytest.fixture(scope="session")
-def prefect_harness():
-    """One temporary Prefect server (SQLite) for every flow test of the session (~8 s to start)."""
+def prefect_harness(request):
+    """One temporary Prefect server (SQLite) for every flow test of the session (~8 s to start).
+
+    Test modules import this fixture, and pytest makes one session fixture per importing
+    module; the harness itself is therefore kept here and entered once, closed at session end."""
+    from contextlib import ExitStack
+
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=60):
-        yield
+    if not _HARNESS:
+        stack = ExitStack()
+        stack.enter_context(prefect_test_harness(server_startup_timeout=60))
+        _HARNESS.append(stack)
+        request.config.add_cleanup(stack.close)
+    yield
 
 
 @pytest.fixture
