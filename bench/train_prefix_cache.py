@@ -103,7 +103,7 @@ def main() -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     n = len(rows["cached"])
-    print(f"\n### Prefix cache: training throughput (bench/train_prefix_cache.py)\n")
+    print("\n### Prefix cache: training throughput (bench/train_prefix_cache.py)\n")
     print(f"Machine: {machine()}. Backbone smollm2-135m (30 layers, d=576), fp32, full ATLAS r=16 at layer {layer}; "
           f"MBPP train, batch {args.batch_size}, right padding, logits only at response positions.\n")
     print(f"Part 1: {n} steps on the same batches ({tokens:,} real tokens), cached and uncached interleaved; "

@@ -37,7 +37,7 @@ def cmd_update(args: argparse.Namespace) -> int:
     print(f"report:     {result['report']}")
     print(f"MLflow UI:  .venv/bin/mlflow ui --backend-store-uri sqlite:///{result['state']}/mlflow/mlflow.db"
           if "ATLAS_MLFLOW_TRACKING_URI" not in __import__("os").environ else "MLflow UI:  your tracking server")
-    print(f"details:    atlas status / atlas history / atlas gate --explain VERSION  (--backbone, --skill)")
+    print("details:    atlas status / atlas history / atlas gate --explain VERSION  (--backbone, --skill)")
     return 0
 
 

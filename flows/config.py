@@ -15,7 +15,7 @@ from atlas_core.atlas import ATLAS_VARIANTS
 from atlas_core.paths import PROJECT_ROOT
 from evaluation.contexts import RETAINED_DOMAINS
 
-from .schema import ConfigError, build, field, load_yaml
+from atlas_core.typed_config import ConfigError, build, field, load_yaml
 
 SCORERS = ("mbpp-plus", "response-match")
 DTYPES = ("float32", "bfloat16")

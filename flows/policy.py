@@ -16,7 +16,7 @@ from pathlib import Path
 from statistics import NormalDist
 
 from .config import digest, resolve
-from .schema import ConfigError, build, field, load_yaml
+from atlas_core.typed_config import ConfigError, build, field, load_yaml
 
 BOUNDS = ("wilson", "clopper-pearson")
 SELECTION = ("lowest-kl-vs-champion", "lowest-kl-vs-base")

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from tests.flows_fixtures import (IMPOSSIBLE_POLICY, PASSING_POLICY, ledger_counts, prefect_harness,  # noqa: F401
                                   state, tiny_files)

@@ -8,7 +8,7 @@ import pytest
 from flows.config import load_update_config
 from flows.gates import CandidateMetrics, Flips, passed, run_checks, select
 from flows.policy import ReleasePolicy, clopper_pearson_upper, load_policy, wilson_upper
-from flows.schema import ConfigError, build
+from atlas_core.typed_config import ConfigError, build
 from tests.flows_fixtures import PASSING_POLICY, write_yaml
 
 DOMAINS = ["gsm8k", "csqa"]

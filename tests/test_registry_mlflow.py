@@ -42,7 +42,7 @@ def released_model(ledger, store, bridge, seeds=(0, 1, 2)):
 
 def test_runs_versions_and_tags_are_readable_in_mlflow(ledger, store, bridge, mlflow_config):
     model_id, (v0, v1, _) = released_model(ledger, store, bridge)
-    client = MlflowClient(mlflow_config.tracking_uri)
+    client = MlflowClient(tracking_uri=mlflow_config.tracking_uri, registry_uri=mlflow_config.tracking_uri)
     run = client.get_run(v1.mlflow_run_id)
     assert run.info.run_name == f"{v1.backbone.rsplit('/', 1)[-1]}-gsm8k-atlas-s1"
     assert run.data.params["method"] == "atlas" and run.data.params["config.lr"] == "0.001"

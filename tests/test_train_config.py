@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from atlas_core.train.config import ConfigError, RunConfig, TrainConfig, from_dict, load_run_config
+from atlas_core.train.config import ConfigError, RunConfig, TrainConfig, load_run_config
+from atlas_core.typed_config import build
 
 HUB = Path(__file__).resolve().parent.parent / "configs" / "train"
 
@@ -22,7 +23,7 @@ def test_yaml_round_trip_and_float_strings(tmp_path):
     assert config.train.betas == (0.9, 0.95)
     assert config.train.objective.kind == "output-kl" and config.train.objective.beta == 1.0
     assert config.residual_config().variant == "plain" and config.residual_config().layer == 3
-    assert from_dict(RunConfig, config.to_dict()) == config
+    assert build(RunConfig, config.to_dict()) == config
 
 
 @pytest.mark.parametrize("text, message", [

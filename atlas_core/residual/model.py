@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from ..atlas import Atlas

@@ -12,26 +12,19 @@ wrong type is an error such as `train.lr: expected a number, got 'fast'`.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import types
-import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import yaml
 
 from ..residual import RESIDUAL_VARIANTS, ResidualConfig
+from ..typed_config import ConfigError, build, load_yaml
 
 ADAPTERS = tuple(RESIDUAL_VARIANTS) + ("weight-lora",)
 OBJECTIVES = ("ce", "replay", "output-kl")
 SCHEDULES = ("constant", "cosine", "linear")
 BAD_EXAMPLE_POLICIES = ("raise", "skip", "truncate")
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or of the wrong type; the message names the field."""
 
 
 def _help(text: str, default):
@@ -176,79 +169,11 @@ def _choice(name: str, value, allowed) -> None:
         raise ConfigError(f"{name}: expected one of {tuple(allowed)}, got {value!r}")
 
 
-def _convert(value, hint, where: str):
-    """`value` checked (and mildly coerced, e.g. YAML's '2e-4' string to a float) against type `hint`."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None:
-            if type(None) in args:
-                return None
-            raise ConfigError(f"{where}: expected a value, got null")
-        errors = []
-        for option in (a for a in args if a is not type(None)):
-            try:
-                return _convert(value, option, where)
-            except ConfigError as e:
-                errors.append(str(e).split(": ", 1)[1])
-        raise ConfigError(f"{where}: {' or '.join(errors)}")
-    if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, where)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{where}: expected a list of {len(args)} items, got {value!r}")
-        return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, str):  # YAML 1.1 reads 2e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    raise TypeError(f"{where}: unsupported field type {hint!r}")
-
-
-def from_dict(cls, data, where: str = ""):
-    """Build dataclass `cls` from a mapping, naming the dotted field path in every error."""
-    prefix = f"{where}." if where else ""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or cls.__name__}: expected a mapping of fields, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown field; expected one of {names}")
-    values = {k: _convert(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
-    try:
-        return cls(**values)
-    except ConfigError as e:  # raised by __post_init__, which names fields relative to its own class
-        raise ConfigError(f"{prefix}{e}") from e
-
-
 def load_run_config(path: str | Path) -> RunConfig:
     """Parse and validate a run config YAML file (see configs/train/)."""
-    path = Path(path)
+    data = load_yaml(path)
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({e})") from e
-    try:
-        return from_dict(RunConfig, data)
+        return build(RunConfig, data)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from e
 

@@ -145,7 +145,6 @@ def train(model: nn.Module, adapter, data: TrainData, config: TrainConfig, run_d
     adapter = as_adapter(adapter)
     device = next(model.parameters()).device
     adapter.to(device)
-    names = [n for n, _ in adapter.named_trainable()]
     params = [p for _, p in adapter.named_trainable()]
     _freeze_backbone(model, params)
     objective = config.objective

@@ -11,7 +11,7 @@
 
 `load_repro_config(path)` validates the file; errors name the field, e.g.
 `configs/repro/x.yaml: eval.kl_contexts: expected a positive integer, got 0`.
-Scalar sections reuse the training config's parser (atlas_core.train.config.from_dict).
+Scalar sections reuse the platform's typed-config parser (atlas_core.typed_config.build).
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from pathlib import Path
 import yaml
 
 from atlas_core.paths import PROJECT_ROOT
-from atlas_core.train.config import ConfigError, RunConfig, from_dict, load_run_config
+from atlas_core.train.config import RunConfig, load_run_config
+from atlas_core.typed_config import ConfigError, build
 
 DTYPES = ("bfloat16", "float32")
 
@@ -188,8 +189,8 @@ def repro_from_dict(data) -> ReproConfig:
     grid = _list(data.pop("lr_grid"), float, "lr_grid")
     pairs = _list(data.pop("extra_pairs"), str, "extra_pairs") if data.get("extra_pairs") else []
     data.pop("extra_pairs", None)
-    atlas = from_dict(AtlasSpec, data.pop("atlas", None), "atlas")
-    evaluation = from_dict(EvalSpec, data.pop("eval", None), "eval")
+    atlas = build(AtlasSpec, data.pop("atlas", None), "atlas")
+    evaluation = build(EvalSpec, data.pop("eval", None), "eval")
     scalars = {"name": str, "backbone": str, "dtype": str, "reference": str, "layer": int, "rank": int,
                "epochs": int, "checkpoints_per_epoch": int}
     for key, value in data.items():

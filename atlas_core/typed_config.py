@@ -1,7 +1,7 @@
 """Typed YAML configs: dataclasses built from plain mappings, with errors that name the field.
 
 `build(cls, data)` checks every value against the dataclass's type hints (str, int, float,
-bool, Optional, list[T], dict[str, T], nested dataclasses) and refuses unknown keys, so a
+bool, Optional, list[T], tuple[...], dict[str, T], nested dataclasses) and refuses unknown keys, so a
 typo in a YAML file is an error such as `retained.kl_contexts: expected an integer, got 'many'`
 rather than a silently ignored field.
 """
@@ -14,9 +14,13 @@ from pathlib import Path
 
 import yaml
 
-from atlas_core.train import ConfigError
 
-__all__ = ["ConfigError", "build", "load_yaml", "help_of"]
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or of the wrong type; the message names the field."""
+
+
+__all__ = ["ConfigError", "build", "field", "help_of", "load_yaml"]
 
 
 def _convert(value, hint, where: str):
@@ -35,6 +39,10 @@ def _convert(value, hint, where: str):
         raise ConfigError(f"{where}: {' or '.join(errors)}")
     if dataclasses.is_dataclass(hint):
         return build(hint, value, where)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{where}: expected a list of {len(args)} items, got {value!r}")
+        return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
