@@ -22,6 +22,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from atlas_core.io import atomic_write_bytes
+from evaluation.userdata import jsonl_objects
 
 _NUMBER = re.compile(
     r"(?<![\w.])(?P<neg>[-−]\s?)?\$?\s?(?P<neg2>-)?"
@@ -101,23 +102,13 @@ def write_answers(path: str | Path, answers: Iterable[Answer], keep_raw: bool = 
 def read_answers(path: str | Path) -> dict[str, Answer]:
     """Read an answers JSONL file into {id: Answer}, with errors naming file, line and field."""
     out: dict[str, Answer] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}: line {lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object")
-            for name, kinds in (("id", (str,)), ("answer", (str, type(None))), ("correct", (bool,))):
-                if name not in row:
-                    raise ValueError(f"{where}: field '{name}' is missing")
-                if not isinstance(row[name], kinds):
-                    raise ValueError(f"{where}: field '{name}' has type {type(row[name]).__name__}")
-            if row["id"] in out:
-                raise ValueError(f"{where}: field 'id' {row['id']!r} appears twice")
-            out[row["id"]] = Answer(row["id"], row["answer"], row["correct"], row.get("raw"))
+    for _, where, row in jsonl_objects(path):
+        for name, kinds in (("id", (str,)), ("answer", (str, type(None))), ("correct", (bool,))):
+            if name not in row:
+                raise ValueError(f"{where}: field '{name}' is missing")
+            if not isinstance(row[name], kinds):
+                raise ValueError(f"{where}: field '{name}' has type {type(row[name]).__name__}")
+        if row["id"] in out:
+            raise ValueError(f"{where}: field 'id' {row['id']!r} appears twice")
+        out[row["id"]] = Answer(row["id"], row["answer"], row["correct"], row.get("raw"))
     return out

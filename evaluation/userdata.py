@@ -25,11 +25,28 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 class SchemaError(ValueError):
     """A row of a user data file does not follow the documented schema."""
+
+
+def jsonl_objects(path: str | Path, error: type[Exception] = ValueError) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """(line number, "file: line N", object) for every non-blank line of a JSONL file;
+    a line that is not a JSON object raises `error` naming the file and line."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}: line {lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise error(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
+            if not isinstance(row, dict):
+                raise error(f"{where}: expected a JSON object, got {type(row).__name__}")
+            yield lineno, where, row
 
 
 @dataclass(frozen=True)
@@ -59,38 +76,28 @@ def _rows(path: Path, fields: dict[str, bool]) -> list[tuple[int, dict[str, Any]
         raise SchemaError(f"{path}: file not found")
     rows: list[tuple[int, dict[str, Any]]] = []
     first_line_of: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}: line {lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SchemaError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
-            if not isinstance(row, dict):
-                raise SchemaError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            for name, required in fields.items():
-                if required and name not in row:
-                    raise SchemaError(f"{where}: field '{name}' is missing")
-            unknown = sorted(set(row) - set(fields))
-            if unknown:
-                raise SchemaError(f"{where}: field '{unknown[0]}' is not part of the schema (allowed: {sorted(fields)})")
-            for name in ("id", "prompt", "response", "answer"):
-                if name in row and not isinstance(row[name], str):
-                    raise SchemaError(f"{where}: field '{name}' must be a string, got {type(row[name]).__name__}")
-            for name in ("id", "prompt"):
-                if not row[name].strip():
-                    raise SchemaError(f"{where}: field '{name}' is empty")
-            tests = row.get("tests", [])
-            if not isinstance(tests, list) or not all(isinstance(t, str) for t in tests):
-                raise SchemaError(f"{where}: field 'tests' must be a list of strings")
-            if not isinstance(row.get("meta", {}), dict):
-                raise SchemaError(f"{where}: field 'meta' must be a JSON object")
-            if row["id"] in first_line_of:
-                raise SchemaError(f"{where}: field 'id' {row['id']!r} repeats line {first_line_of[row['id']]}")
-            first_line_of[row["id"]] = lineno
-            rows.append((lineno, row))
+    for lineno, where, row in jsonl_objects(path, SchemaError):
+        for name, required in fields.items():
+            if required and name not in row:
+                raise SchemaError(f"{where}: field '{name}' is missing")
+        unknown = sorted(set(row) - set(fields))
+        if unknown:
+            raise SchemaError(f"{where}: field '{unknown[0]}' is not part of the schema (allowed: {sorted(fields)})")
+        for name in ("id", "prompt", "response", "answer"):
+            if name in row and not isinstance(row[name], str):
+                raise SchemaError(f"{where}: field '{name}' must be a string, got {type(row[name]).__name__}")
+        for name in ("id", "prompt"):
+            if not row[name].strip():
+                raise SchemaError(f"{where}: field '{name}' is empty")
+        tests = row.get("tests", [])
+        if not isinstance(tests, list) or not all(isinstance(t, str) for t in tests):
+            raise SchemaError(f"{where}: field 'tests' must be a list of strings")
+        if not isinstance(row.get("meta", {}), dict):
+            raise SchemaError(f"{where}: field 'meta' must be a JSON object")
+        if row["id"] in first_line_of:
+            raise SchemaError(f"{where}: field 'id' {row['id']!r} repeats line {first_line_of[row['id']]}")
+        first_line_of[row["id"]] = lineno
+        rows.append((lineno, row))
     if not rows:
         raise SchemaError(f"{path}: no rows")
     return rows

@@ -16,7 +16,7 @@ from registry.db import Ledger, LedgerError
 from registry.lineage import base_version, get_model, get_version, list_versions
 from registry.mlflow_bridge import MANAGED_ALIASES, MlflowBridge
 from registry.promotion import alias_holder, list_releases
-from registry.records import AnswerRecord, EvaluationInfo, VersionInfo
+from registry.records import AnswerRecord, EvaluationInfo, FlipRates, VersionInfo
 from registry.results import get_answers, latest_evaluation
 from registry.store import atomic_write_text
 
@@ -31,7 +31,7 @@ class Flip:
 
 
 @dataclass(frozen=True)
-class ChurnRow:
+class ChurnRow(FlipRates):
     dataset: str
     flips_f: int
     flips_g: int
@@ -39,14 +39,6 @@ class ChurnRow:
     n: int
     only_in_a: int  # questions one side never answered are not counted in n
     only_in_b: int
-
-    @property
-    def churn(self) -> float:
-        return (self.flips_f + self.flips_g + self.flips_w) / self.n if self.n else 0.0
-
-    @property
-    def nfr(self) -> float:
-        return self.flips_f / self.n if self.n else 0.0
 
 
 @dataclass(frozen=True)

@@ -22,16 +22,9 @@ class DomainKL:
     kl_vs_release: Optional[float] = None
 
 
-@dataclass(frozen=True)
-class ChurnCounts:
-    """Answer flips on one domain against the base or the release (`against`).
+class FlipRates:
+    """churn = (F + G + W) / n and NFR = F / n, for records that carry the flip counts."""
 
-    F = correct -> wrong, G = wrong -> correct, W = wrong -> a different wrong answer,
-    out of n questions answered by both.
-    """
-
-    against: str  # "base" | "release"
-    domain: str
     flips_f: int
     flips_g: int
     flips_w: int
@@ -44,6 +37,22 @@ class ChurnCounts:
     @property
     def nfr(self) -> float:
         return self.flips_f / self.n if self.n else 0.0
+
+
+@dataclass(frozen=True)
+class ChurnCounts(FlipRates):
+    """Answer flips on one domain against the base or the release (`against`).
+
+    F = correct -> wrong, G = wrong -> correct, W = wrong -> a different wrong answer,
+    out of n questions answered by both.
+    """
+
+    against: str  # "base" | "release"
+    domain: str
+    flips_f: int
+    flips_g: int
+    flips_w: int
+    n: int
 
 
 @dataclass(frozen=True)
