@@ -69,10 +69,13 @@ def version_answers(cycle: Cycle, applied: Applied, kind: str, dataset: str, ids
 
 
 def flips(reference: Answers, new: Answers) -> Flips:
-    F = sum(1 for q, a in reference.items() if a.correct and not new[q].correct)
-    G = sum(1 for q, a in reference.items() if not a.correct and new[q].correct)
-    W = sum(1 for q, a in reference.items() if not a.correct and not new[q].correct and a.answer != new[q].answer)
-    return Flips(len(reference), F, G, W)
+    """F/G/W of `new` against `reference` (same question ids); none asked gives n = 0, which the gate rejects."""
+    from evaluation.churn import answer_churn
+
+    if not reference:
+        return Flips(0, 0, 0, 0)
+    c = answer_churn(reference, new)
+    return Flips(c.n, c.F, c.G, c.W)
 
 
 @task(cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1)
