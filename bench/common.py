@@ -29,5 +29,7 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-            f"Python {platform.python_version()}")
+    from atlas_core.backbone import native_bf16
+
+    return (f"{cpu}, {os.cpu_count()} cores, native bf16 {'yes' if native_bf16() else 'no'}, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), Python {platform.python_version()}")

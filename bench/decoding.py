@@ -1,7 +1,7 @@
 """Generation throughput (new tokens/s) of the default backbone, base versus with a full ATLAS
 residual attached, at batch 1 and batch 8 (greedy, fixed number of new tokens).
 
-    .venv/bin/python bench/decoding.py [--new-tokens 64 --dtype bfloat16 --repeat 3]
+    .venv/bin/python bench/decoding.py [--new-tokens 64 --dtype auto --repeat 3]
 """
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--layer", type=int, default=15)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     args = parser.parse_args()
-    bb = load_backbone("smollm2-135m", getattr(torch, args.dtype))
+    bb = load_backbone("smollm2-135m", args.dtype)
     _, texts = retained_contexts(bb.tokenizer, "gsm8k", limit=256)
     x = sample_activations(bb.model, bb.tokenizer, texts, args.layer, 1024, per_example=4, progress=False)
     atlas = fit_atlas(x, AtlasConfig(num_charts=32, rank=16, num_vectors=len(x)), {"layer": args.layer})
@@ -47,7 +47,7 @@ def main() -> None:
         return batch * args.new_tokens / (time.perf_counter() - start)
 
     print(f"machine: {machine()}")
-    print(f"{bb.name} ({args.dtype}), full ATLAS residual at layer {args.layer} (K=32, m=16, r=16), "
+    print(f"{bb.name} ({bb.dtype}), full ATLAS residual at layer {args.layer} (K=32, m=16, r=16), "
           f"{args.new_tokens} new tokens, best of {args.repeat} (base and adapted interleaved)")
     print(f"{'batch':>6} {'base tok/s':>11} {'adapted tok/s':>14} {'overhead':>9}")
     with torch.no_grad():

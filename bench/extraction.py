@@ -1,7 +1,7 @@
 """Activation extraction that stops after layer l versus a full forward (all layers + LM head),
 default backbone, the same batch of GSM8K contexts.
 
-    .venv/bin/python bench/extraction.py [--layer 15 --batch 16 --dtype bfloat16]
+    .venv/bin/python bench/extraction.py [--layer 15 --batch 16 --dtype auto]
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layer", type=int, default=15)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    bb = load_backbone("smollm2-135m", getattr(torch, args.dtype))
+    bb = load_backbone("smollm2-135m", args.dtype)
     _, texts = retained_contexts(bb.tokenizer, "gsm8k", limit=args.batch)
     batch = bb.tokenizer(texts, return_tensors="pt", padding=True)
     ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -36,7 +36,7 @@ def main() -> None:
         t_stop = timeit(lambda: hidden_at_layer(bb.model, args.layer, ids, mask), repeat=args.repeat)
     ideal = (args.layer + 1) / bb.num_layers
     print(f"machine: {machine()}")
-    print(f"{bb.name} ({args.dtype}), batch {tuple(ids.shape)}, layer {args.layer} of {bb.num_layers}, median of {args.repeat}")
+    print(f"{bb.name} ({bb.dtype}), batch {tuple(ids.shape)}, layer {args.layer} of {bb.num_layers}, median of {args.repeat}")
     print(f"  full forward (all layers + LM head): {t_full:.3f} s")
     print(f"  stop after layer {args.layer}:            {t_stop:.3f} s")
     print(f"  ratio stop/full {t_stop / t_full:.3f} (layers run: (l+1)/L = {ideal:.3f}); speed-up {t_full / t_stop:.2f}x")

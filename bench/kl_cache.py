@@ -1,7 +1,7 @@
 """Retained KL of an adapted checkpoint: cached (frozen prefix + reference final hidden states,
 computed once per context set) versus a naive two-full-forward implementation, same contexts.
 
-    .venv/bin/python bench/kl_cache.py [--contexts 32 --layer 15 --dtype bfloat16]
+    .venv/bin/python bench/kl_cache.py [--contexts 32 --layer 15 --dtype auto]
 """
 from __future__ import annotations
 
@@ -43,9 +43,9 @@ def main() -> None:
     parser.add_argument("--layer", type=int, default=15)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--checkpoints", type=int, default=2, help="adapted checkpoints scored by each method")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     args = parser.parse_args()
-    bb = load_backbone("smollm2-135m", getattr(torch, args.dtype))
+    bb = load_backbone("smollm2-135m", args.dtype)
     _, texts = retained_contexts(bb.tokenizer, "gsm8k", limit=args.contexts)
     x = sample_activations(bb.model, bb.tokenizer, texts, args.layer, 8 * len(texts), per_example=8, progress=False)
     atlas = fit_atlas(x, AtlasConfig(num_charts=8, rank=16, num_vectors=len(x)), {"layer": args.layer})
@@ -67,7 +67,7 @@ def main() -> None:
     t_naive = (time.perf_counter() - start) / len(residuals)
 
     print(f"machine: {machine()}")
-    print(f"{bb.name} ({args.dtype}), {args.contexts} GSM8K contexts ({kl.positions} positions), layer {args.layer} "
+    print(f"{bb.name} ({bb.dtype}), {args.contexts} GSM8K contexts ({kl.positions} positions), layer {args.layer} "
           f"of {bb.num_layers}, batch {args.batch}")
     print(f"  one-time caches (prefix + reference): {t_setup:.1f} s, {2 * kl.cache_bytes() / 2**20:.1f} MiB")
     print(f"  per checkpoint: cached {t_cached:.1f} s, naive two full forwards {t_naive:.1f} s -> "

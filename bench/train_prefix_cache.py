@@ -6,6 +6,10 @@ backbone (SmolLM2-135M, 30 layers) with full ATLAS at its middle layer (15), MBP
 Part 1 times each phase of a step on the same batches, cached and uncached interleaved.
 Part 2 runs `train()` end to end on a subset both ways (tokens/s from its summary; the
 one-off cache build is reported separately and amortised over 5 epochs).
+Part 3 repeats part 1's step timing at other layers (`--curve`): the cache skips the forward of
+layers 0..l but not the forward and backward of l+1..L, so the speed-up is bounded by
+(F_low + F_up + B_up) / (F_up + B_up), about 1.5x at l = L/2 when B_up ~ F_up (frozen
+weights: input gradients only), and grows with l.
 Prints a markdown section for docs/TRAINING.md.
 """
 from __future__ import annotations
@@ -48,28 +52,10 @@ def timed_step(model, adapter, batch, cache, optimizer) -> dict[str, float]:
     return t
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, default=6)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--layer", type=int, default=15)
-    parser.add_argument("--subset", type=int, default=48, help="examples in the end-to-end part")
-    args = parser.parse_args()
-
-    backbone = load_backbone("smollm2-135m")
-    model, layer = backbone.model, args.layer
-    atlas = atlas_for(backbone, layer)
-    residual = build_residual(ResidualConfig(variant="atlas", layer=layer, rank=16), model, atlas)
-    torch.nn.init.normal_(residual.B, std=1e-3)
-    adapter = ResidualAdapter(residual)
-    config = TrainConfig(batch_size=args.batch_size, progress=False)
-    data = prepare_data(backbone.tokenizer, mbpp_pairs("train"), config)
-    start = time.perf_counter()
-    cache = build_caches(model, data, layer)["train"]
-    cache_s = time.perf_counter() - start
-    optimizer = torch.optim.AdamW([residual.A, residual.B], lr=1e-5)
-
-    # ---- part 1: per-phase times on the same batches, interleaved
+def step_times(model, adapter, data, cache, layer: int, args) -> tuple[dict, int]:
+    """Per-phase seconds of `args.batches` steps (after one warm-up), cached and uncached
+    interleaved on the same batches, and the forward of layers 0..layer alone."""
+    optimizer = torch.optim.AdamW([p for _, p in adapter.named_trainable()], lr=1e-5)
     batches = epoch_batches(data.train.lengths, args.batch_size, 0, 0)[: args.batches + 1]
     rows = {"cached": [], "uncached": [], "lower": []}
     tokens = 0
@@ -84,6 +70,47 @@ def main() -> None:
             continue  # warm-up
         rows["cached"].append(c), rows["uncached"].append(u), rows["lower"].append(low)
         tokens += int(batch.mask.sum())
+    return rows, tokens
+
+
+def layer_curve(backbone, data, layers: list[int], args) -> list[tuple[int, float, float, float]]:
+    """(layer, cached s/step, uncached s/step, lower-forward s) at each layer: part 1's timing."""
+    out = []
+    for layer in layers:
+        residual = build_residual(ResidualConfig(variant="atlas", layer=layer, rank=16), backbone.model,
+                                  atlas_for(backbone, layer))
+        torch.nn.init.normal_(residual.B, std=1e-3)
+        cache = build_caches(backbone.model, data, layer)["train"]
+        rows, _ = step_times(backbone.model, ResidualAdapter(residual), data, cache, layer, args)
+        n = len(rows["cached"])
+        out.append((layer, sum(sum(r.values()) for r in rows["cached"]) / n,
+                    sum(sum(r.values()) for r in rows["uncached"]) / n, statistics.median(rows["lower"])))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--layer", type=int, default=15)
+    parser.add_argument("--subset", type=int, default=48, help="examples in the end-to-end part")
+    parser.add_argument("--curve", default="10,15,18,21,24", help="layers of part 3 (comma-separated; '' skips it)")
+    args = parser.parse_args()
+
+    backbone = load_backbone("smollm2-135m")
+    model, layer = backbone.model, args.layer
+    atlas = atlas_for(backbone, layer)
+    residual = build_residual(ResidualConfig(variant="atlas", layer=layer, rank=16), model, atlas)
+    torch.nn.init.normal_(residual.B, std=1e-3)
+    adapter = ResidualAdapter(residual)
+    config = TrainConfig(batch_size=args.batch_size, progress=False)
+    data = prepare_data(backbone.tokenizer, mbpp_pairs("train"), config)
+    start = time.perf_counter()
+    cache = build_caches(model, data, layer)["train"]
+    cache_s = time.perf_counter() - start
+
+    # ---- part 1: per-phase times on the same batches, interleaved
+    rows, tokens = step_times(model, adapter, data, cache, layer, args)
     total = {k: sum(sum(r.values()) for r in rows[k]) for k in ("cached", "uncached")}
     phases = list(rows["cached"][0])
 
@@ -100,6 +127,7 @@ def main() -> None:
     cache_subset_s = cache_s * args.subset / len(data.train)
     epoch_c = e2e[True].seconds
     amortised = (5 * e2e[False].seconds) / (5 * epoch_c + cache_subset_s)
+    curve = layer_curve(backbone, data, [int(x) for x in args.curve.split(",") if x.strip()], args)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     n = len(rows["cached"])
@@ -126,6 +154,15 @@ def main() -> None:
     print(f"Ratio {e2e[False].seconds / e2e[True].seconds:.2f}x per epoch. Building the cache for all "
           f"{len(data.train)} training examples took {cache_s:.1f} s once ({cache.nbytes / 2**20:.0f} MiB fp32); "
           f"over 5 epochs, cache build included: {amortised:.2f}x. Peak RSS of this process: {peak:,.0f} MiB.")
+    if curve:
+        n_layers = model.config.num_hidden_layers
+        print(f"\nPart 3: step time by adapted layer (part 1's timing, {args.batches} steps each, mean seconds per "
+              "step). The cache removes only the forward of layers 0..l; the bound assumes the frozen upper "
+              "layers' backward costs what their forward does:\n")
+        print("| layer l | l / L | with cache | without | ratio | bound (F_low + F_up + B_up) / (F_up + B_up) |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for lay, c, u, low in curve:
+            print(f"| {lay} | {(lay + 1) / n_layers:.2f} | {c:.3f} | {u:.3f} | **{u / c:.2f}x** | {u / (u - low):.2f}x |")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import sys
 
 from .platform import configure_environment
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")  # atlas_core.backbone.DTYPES; not imported: --help stays instant
 
 
 def _method(name: str):
@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "retained-KL gates, versioned releases.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--backbone", default="smollm2-135m", help="built-in alias, local folder or hub id (default: %(default)s)")
-    common.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="model dtype (default: %(default)s)")
+    common.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="model dtype; auto: bfloat16 where the hardware has it natively, else float32 (default: %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("backbone", parents=[common], help="load (and on first use convert) the backbone; print what it is")

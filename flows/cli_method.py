@@ -10,9 +10,9 @@ from pathlib import Path
 
 
 def _dtype(name: str):
-    import torch
+    from atlas_core.backbone import resolve_dtype
 
-    return getattr(torch, name)
+    return resolve_dtype(name)
 
 
 def cmd_backbone(args: argparse.Namespace) -> int:
@@ -45,7 +45,7 @@ def _fit(args: argparse.Namespace):
     extracted = time.perf_counter()
     data_file = {"gsm8k": "gsm8k/test.jsonl", "csqa": "csqa/dev_rand_split.jsonl"}[args.retained]
     verified_path(data_file)
-    meta = {"backbone": bb.name, "revision": bb.revision, "layer": layer, "dtype": args.dtype,
+    meta = {"backbone": bb.name, "revision": bb.revision, "layer": layer, "dtype": bb.dtype,
             "data": {data_file: known(data_file).sha256, "examples": examples}}
     atlas = fit_atlas(x, config, meta)
     print(f"extracted {len(x)} vectors at layer {layer}/{bb.num_layers} in {extracted - start:.1f} s; "

@@ -22,11 +22,12 @@ TINY_BACKBONE = "tiny-llama"
 
 
 def load_model(name: str, dtype: str):
-    """An `atlas_core.backbone.Backbone`; 'tiny-llama' is a seeded random 4-layer toy (tests)."""
+    """An `atlas_core.backbone.Backbone` in `dtype` (a name from DTYPES, 'auto' included);
+    'tiny-llama' is a seeded random 4-layer fp32 toy (tests)."""
     from atlas_core.backbone import Backbone, decoder_layers, load_backbone
 
     if name != TINY_BACKBONE:
-        return load_backbone(name, getattr(torch, dtype))
+        return load_backbone(name, dtype)
     from evaluation.tiny import tiny_llama, tiny_tokenizer
 
     tokenizer = tiny_tokenizer()

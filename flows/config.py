@@ -12,13 +12,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from atlas_core.atlas import ATLAS_VARIANTS
+from atlas_core.backbone import DTYPES
 from atlas_core.paths import PROJECT_ROOT
 from evaluation.contexts import RETAINED_DOMAINS
 
 from atlas_core.typed_config import ConfigError, build, field, load_yaml
 
 SCORERS = ("mbpp-plus", "response-match")
-DTYPES = ("float32", "bfloat16")
 EVALUATE = ("epoch-ends", "all", "final")
 
 
@@ -112,7 +112,8 @@ class UpdateConfig:
     name: str = field("A label for this configuration (shown in reports).", "default")
     backbone: str = field("Backbone alias, local folder or cached hub id; 'tiny-llama' is a random toy model for tests.",
                           "smollm2-135m")
-    dtype: str = field(f"Model dtype, one of {DTYPES}.", "bfloat16")
+    dtype: str = field(f"Model dtype, one of {DTYPES}; auto is bfloat16 where the hardware runs it natively "
+                       "(a bf16 GPU, AVX512-BF16/AMX CPUs), else float32.", "auto")
     skill: str = field("Name of the skill being added (the registered model is '<backbone>.<skill>').", "code")
     layer: int = field("Decoder layer l of the residual / LoRA (-1: the middle layer).", -1)
     evaluate: str = field(f"Which checkpoints become candidates, one of {EVALUATE}: each epoch's last, every "

@@ -26,8 +26,8 @@ def atlas_plan(cycle: Cycle, variant: str) -> dict:
     spec, domains = cycle.config.atlas, cycle.config.retained.domains
     per_domain = math.ceil(math.ceil(spec.num_vectors / spec.per_example) / len(domains))
     files = retained_data_files(domains)
-    return {"backbone": cycle.backbone.name, "revision": cycle.backbone.revision, "layer": cycle.layer,
-            "variant": variant, "config": asdict(spec),
+    return {"backbone": cycle.backbone.name, "revision": cycle.backbone.revision, "dtype": cycle.backbone.dtype,
+            "layer": cycle.layer, "variant": variant, "config": asdict(spec),
             "data": {d: {"file": files[d], "sha256": known(files[d]).sha256, "examples": per_domain} for d in domains}}
 
 

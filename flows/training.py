@@ -39,8 +39,8 @@ def run_config_for(cycle: Cycle, method: str, seed: int):
 
 def run_key(cycle: Cycle, method: str, run_config, variant, skill) -> str:
     config = run_config.to_dict() | {"atlas": cycle.atlas_ids[variant][1].sha256 if variant else None}
-    return digest({"backbone": cycle.backbone.name, "revision": cycle.backbone.revision, "method": method,
-                   "config": config, "data": [skill.dataset_name, skill.sha256, cycle.config.data.train_limit,
+    return digest({"backbone": cycle.backbone.name, "revision": cycle.backbone.revision, "dtype": cycle.backbone.dtype,
+                   "method": method, "config": config, "data": [skill.dataset_name, skill.sha256, cycle.config.data.train_limit,
                                               cycle.config.data.val_limit, cycle.config.retained.replay_examples]})
 
 

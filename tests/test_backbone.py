@@ -2,7 +2,8 @@ import pytest
 import torch
 from torch import nn
 
-from atlas_core.backbone import decoder_layers, hidden_at_layer, run_from_layer
+import atlas_core.backbone as backbone_module
+from atlas_core.backbone import cpu_has_bf16, decoder_layers, hidden_at_layer, resolve_dtype, run_from_layer
 from tests.conftest import FAMILIES, tiny_model
 
 
@@ -75,3 +76,20 @@ def test_families_split_and_rejoin_exactly(family, tokens):
     full = model(input_ids=ids, attention_mask=mask).logits
     h = hidden_at_layer(model, 1, ids, mask)
     torch.testing.assert_close(run_from_layer(model, 1, h, ids, mask), full, rtol=1e-5, atol=1e-5)
+
+
+def test_dtype_names_resolve_and_auto_follows_the_hardware(monkeypatch):
+    assert resolve_dtype("float32") is torch.float32 and resolve_dtype("bfloat16") is torch.bfloat16
+    with pytest.raises(ValueError, match="dtype: expected one of"):
+        resolve_dtype("fp16")
+    monkeypatch.setattr(backbone_module, "native_bf16", lambda: True)
+    assert resolve_dtype("auto") is torch.bfloat16
+    monkeypatch.setattr(backbone_module, "native_bf16", lambda: False)
+    assert resolve_dtype("auto") is torch.float32
+
+
+def test_cpu_bf16_is_read_from_the_cpu_flags():
+    avx2 = "flags\t\t: fpu sse2 avx avx2 fma f16c"
+    assert not cpu_has_bf16(avx2)
+    assert cpu_has_bf16(avx2 + " avx512f avx512_bf16") and cpu_has_bf16(avx2 + " amx_bf16 amx_tile")
+    assert not cpu_has_bf16("flags: avx512_bf16x")  # whole flags only

@@ -26,7 +26,9 @@ from atlas_core.paths import PROJECT_ROOT
 from atlas_core.train.config import RunConfig, load_run_config
 from atlas_core.typed_config import ConfigError, build
 
+# Explicit only: results depend on the dtype, and 'auto' (atlas_core.backbone) differs between machines.
 DTYPES = ("bfloat16", "float32")
+
 
 
 @dataclass
@@ -77,7 +79,7 @@ class ReproConfig:
     seeds: list[int]
     lr_grid: list[float]
     backbone: str = "smollm2-135m"
-    dtype: str = "bfloat16"
+    dtype: str = "float32"
     layer: int = 15
     rank: int = 16
     epochs: int = 5

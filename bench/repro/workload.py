@@ -21,8 +21,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .config import ReproConfig
 
 
@@ -111,7 +109,7 @@ def default_workload(config: ReproConfig, state: Path) -> Workload:
     from evaluation.contexts import retained_contexts
     from evaluation.tasks import eval_gsm8k, eval_mbpp_plus
 
-    backbone = load_backbone(config.backbone, getattr(torch, config.dtype))
+    backbone = load_backbone(config.backbone, config.dtype)
     model, tokenizer = backbone.model, backbone.tokenizer
     ev = config.eval
 
