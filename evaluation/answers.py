@@ -29,6 +29,10 @@ _NUMBER = re.compile(
     r"(?P<num>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
 )
 _ANSWER_IS = re.compile(r"answer\s+is\b", re.IGNORECASE)
+# "The answer is N" with N complete (a character that cannot continue it follows): what the math
+# prompt asks a completion to end with, so generation may stop there (evaluation.generate).
+ANSWER_GIVEN = re.compile(r"answer\s+is\b[^\d\n]{0,12}\d(?:[\d,]*\d)?(?:\.\d+)?(?:[^\d.,]|[.,](?=\D))",
+                          re.IGNORECASE)
 
 
 def normalize_number(text: str) -> str | None:

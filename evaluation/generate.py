@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from evaluation.prompts import add_special_tokens_for
 
@@ -39,6 +39,23 @@ def truncate_at_stop(text: str, stop: Sequence[str]) -> str:
     return text[:cut]
 
 
+def truncate_after(text: str, pattern: re.Pattern[str] | None) -> str:
+    """Cut `text` just after the first match of `pattern` (unchanged without one)."""
+    match = pattern.search(text) if pattern else None
+    return text[: match.end()] if match else text
+
+
+class _StopAfter(StoppingCriteria):
+    """Per row: done once the new text (after the `width` prompt tokens) matches `pattern`."""
+
+    def __init__(self, tokenizer: Any, pattern: re.Pattern[str], width: int):
+        self.tokenizer, self.pattern, self.width = tokenizer, pattern, width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.width :], skip_special_tokens=True)
+        return torch.tensor([self.pattern.search(t) is not None for t in texts], device=input_ids.device)
+
+
 @torch.inference_mode()
 def generate(
     model: Any,
@@ -50,8 +67,13 @@ def generate(
     progress: bool = True,
     desc: str = "generate",
     add_special_tokens: bool | None = None,
+    stop_after: re.Pattern[str] | None = None,
 ) -> list[str]:
     """Greedy completions of `prompts` (already rendered), cut at the first stop string.
+
+    `stop_after` ends a completion as soon as its text matches the pattern (the match is
+    kept, the rest is cut): e.g. a final-answer line, after which a batch need not wait for
+    a rambling row to reach `max_new_tokens`.
 
     `add_special_tokens` defaults to False for tokenizers with a chat template (the
     template writes BOS itself) and True otherwise."""
@@ -81,15 +103,18 @@ def generate(
             enc = tokenizer(
                 [prompts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=add_special_tokens
             ).to(device)
+            width = enc["input_ids"].shape[1]
+            criteria = StoppingCriteriaList([_StopAfter(tokenizer, stop_after, width)] if stop_after else [])
             out = model.generate(
                 input_ids=enc["input_ids"],
                 attention_mask=enc["attention_mask"],
                 generation_config=config,
                 tokenizer=tokenizer if stop else None,
+                stopping_criteria=criteria,
             )
-            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
             for i, text in zip(idx, texts):
-                outputs[i] = truncate_at_stop(text, stop)
+                outputs[i] = truncate_after(truncate_at_stop(text, stop), stop_after)
     finally:
         tokenizer.padding_side = saved_side
     return outputs

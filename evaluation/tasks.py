@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evaluation.answers import Answer, score_gsm8k
+from evaluation.answers import ANSWER_GIVEN, Answer, score_gsm8k
 from evaluation.choice import choose
 from evaluation.data import load_csqa, load_gsm8k, load_mbpp_plus
 from evaluation.evalplus_score import EvalPlusResult, score_mbpp_plus
@@ -61,7 +61,7 @@ def eval_gsm8k(
     rows = _first(load_gsm8k(split), limit)
     prompts = [render(tokenizer, math_message(q), "math", chat_template_kwargs) for q in rows["question"]]
     completions = generate(model, tokenizer, prompts, max_new_tokens, batch_size,
-                           stop=("\nQuestion:",), desc="GSM8K")
+                           stop=("\nQuestion:",), stop_after=ANSWER_GIVEN, desc="GSM8K")
     answers = score_gsm8k(rows["id"], completions, rows["final"])
     return AnswerEval(answers, sum(a.correct for a in answers) / len(answers))
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluation.answers import Answer, extract_gsm8k_answer, normalize_number, read_answers, score_gsm8k, write_answers
+from evaluation.answers import ANSWER_GIVEN, Answer, extract_gsm8k_answer, normalize_number, read_answers, score_gsm8k, write_answers
 from evaluation.churn import answer_churn
 
 
@@ -101,3 +101,17 @@ def test_choice_churn_is_share_of_changed_choices() -> None:
     c = answer_churn(ref, new)
     changed = sum(r.answer != n.answer for r, n in zip(ref, new))
     assert changed == 2 and c.churn == pytest.approx(changed / 4) and (c.F, c.G, c.W) == (0, 1, 1)
+
+
+@pytest.mark.parametrize("text, given", [
+    ("So the answer is 12", None),  # 12 may go on: 120, 12.5
+    ("The answer is 12.", None),
+    ("The answer is 12.5.\n", "12.5"),
+    ("The answer is $1,200 in total", "1200"),
+    ("The answer is: 42\n", "42"),
+    ("the answer is 7.\n\nQuestion", "7"),
+    ("First 3, then 4 more.", None),
+])
+def test_answer_given_waits_for_the_whole_number(text: str, given: str | None) -> None:
+    match = ANSWER_GIVEN.search(text)
+    assert (extract_gsm8k_answer(text[: match.end()]) if match else None) == given

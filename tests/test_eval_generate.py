@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import os
 
+import re
+
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from evaluation.choice import choose, label_token_ids  # noqa: E402
-from evaluation.generate import extract_code, generate, truncate_at_stop  # noqa: E402
+from evaluation.generate import extract_code, generate, truncate_after, truncate_at_stop  # noqa: E402
 from evaluation.prompts import choice_message, code_message, math_message, render  # noqa: E402
 from evaluation.tiny import tiny_llama, tiny_tokenizer  # noqa: E402
 
@@ -81,6 +83,25 @@ def test_budget_and_stop_strings(model_and_tokenizer) -> None:
         assert after == truncate_at_stop(before, [stop])
     assert all(stop not in t for t in stopped)
     assert len(stopped[full.index(target)]) < len(target)
+
+
+def test_stop_after_a_pattern_ends_that_row_early(model_and_tokenizer) -> None:
+    model, tok = model_and_tokenizer
+    prompts = _prompts(tok)
+    full = generate(model, tok, prompts, max_new_tokens=16, batch_size=2, progress=False)
+    target = next(t for t in full if len(t) >= 8)
+    pattern = re.compile(re.escape(target[4:7]))
+    stopped = generate(model, tok, prompts, max_new_tokens=16, batch_size=2, stop_after=pattern, progress=False)
+    assert stopped == [truncate_after(t, pattern) for t in full]
+    assert stopped[full.index(target)] == target[:7]
+    # Generation itself stops: fewer forward passes than the 16-token budget needs.
+    calls = []
+    handle = model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        generate(model, tok, [prompts[full.index(target)]], max_new_tokens=16, stop_after=pattern, progress=False)
+    finally:
+        handle.remove()
+    assert len(calls) < 16
 
 
 def test_forward_hook_changes_generation(model_and_tokenizer) -> None:
