@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "BENCHMARKS.md"
 # name -> (script arguments, what it measures); the order is the order of the doc.
 BENCHMARKS = {
+    "dtype": (["bench/dtype.py"], "bf16 vs fp32 on this machine (what dtype auto picks)"),
     "atlas_fit": (["bench/atlas_fit.py"], "Atlas fit vs scikit-learn KMeans + per-chart PCA"),
     "extraction": (["bench/extraction.py"], "Extraction stopping at layer l vs a full forward"),
     "residual_operator": (["bench/residual_operator.py"], "Residual operator cost vs a d x 4d matmul"),
