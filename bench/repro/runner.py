@@ -2,14 +2,17 @@
 
 Order of work (so that an interrupted experiment has its most useful results first):
   1. base      the frozen model on the same subsets (MBPP+, held-out NLL, GSM8K answers)
-  2. sweeps    per method and rate in `lr_grid`: train seed seeds[0] for all epochs, keep the
-               validation losses; atlas_core.train.sweep_learning_rate then picks the rate
-  3. runs      per seed, per method, at the chosen rate: train with a checkpoint every
+  2. seed s0 = seeds[0], method by method:
+     sweep     per rate in `lr_grid`: train s0 for all epochs, keep the validation losses;
+               atlas_core.train.sweep_learning_rate then picks the rate
+     run       the s0 run at the chosen rate *is* that rate's sweep run (same config, same
+               folder): its checkpoints are scored at once, while the state dir holds them
+  3. runs      every other seed, per method, at the chosen rate: train with a checkpoint every
                1/checkpoints_per_epoch epoch; each checkpoint is scored in the trainer's
                `on_checkpoint` callback (MBPP+ solved, held-out NLL, retained KL; GSM8K
                answers at the final one) and written as one unit file.
-The seeds[0] run at the chosen rate *is* its sweep run (same config, same folder), so the
-sweep costs no extra training for that seed.
+A session that ends after a few methods leaves those methods complete at seed s0 (a first
+matched comparison), and a later session with a fresh state dir never retrains their sweeps.
 
 Resume: weights and optimizer state are in the trainer's checkpoints (state dir); results in
 the store (committed). A checkpoint written but not scored when a session ended is scored
@@ -97,11 +100,10 @@ class Runner:
             self._unit_clock = _Clock()
             if self.store.read(self.store.base_path()) is None:
                 self.base()
-            for m in self.config.methods:
-                if self.store.chosen_lr(m.name) is None:
-                    self.sweep(m.name)
             for seed in self.config.seeds:
                 for m in self.config.methods:
+                    if self.store.chosen_lr(m.name) is None:  # only before its first seed
+                        self.sweep(m.name)
                     if not self.store.run_done(m.name, seed):
                         self.run_one(m.name, seed, self.store.chosen_lr(m.name))
         except BudgetSpent as e:
