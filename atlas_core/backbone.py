@@ -100,7 +100,7 @@ def check_layer(layers: nn.ModuleList, layer: int) -> None:
 def native_bf16() -> bool:
     """True where bf16 matmuls run on native hardware: a CUDA GPU that supports them, or a CPU
     with AVX512-BF16 or AMX. Elsewhere (AVX2-only CPUs) PyTorch falls back to a reference
-    kernel measured ~8x slower than fp32 (docs/BENCHMARKS.md), so bf16 would only cost time."""
+    kernel measured 6-8x slower than fp32 (bench/dtype.py), so bf16 would only cost time."""
     if torch.cuda.is_available():
         return torch.cuda.is_bf16_supported()
     try:
