@@ -143,6 +143,12 @@ def test_budget_stops_and_resume_reproduces_uninterrupted_results(finished, tmp_
     while not _run(tmp_path / "results", tmp_path / "state", world, minutes=0.0):  # stop after every unit
         sessions += 1
         assert sessions < 60
+        # A stop never falls between a run's last scored checkpoint and its record.
+        results = tmp_path / "results"
+        for final in results.glob("units/*/*.json"):
+            unit = json.loads(final.read_text())
+            if unit["final"]:
+                assert (results / "runs" / f"{unit['method']}-seed{unit['seed']}.json").is_file()
     assert sessions > 10  # it really was cut into many sessions
     assert world.calls["score_target"] == 3 * 2 * 2 + 1  # no unit was scored twice
     assert _unit_values(tmp_path / "results") == _unit_values(root / "results")

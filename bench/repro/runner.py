@@ -111,6 +111,13 @@ class Runner:
             return False
         return self.complete()
 
+    def _between_checkpoints(self, _path: Path, state: dict) -> None:
+        """A budget stop may fall between checkpoints, but not between a run's final checkpoint
+        and its record: a run stopped there would count as unfinished, and with a fresh state
+        dir it would be trained again just to be recorded."""
+        if not state["finished"]:
+            self._unit_done()
+
     def _unit_done(self) -> None:
         self._unit_clock = _Clock()
         now = time.monotonic()
@@ -221,13 +228,14 @@ class Runner:
             rc, steps = self._train_config(method, seed, lr)
             with self._adapter(rc) as adapter:
                 try:
-                    summary = self._train(rc, adapter, self._run_dir(method, seed, lr), lambda p, s: self._unit_done())
+                    summary = self._train(rc, adapter, self._run_dir(method, seed, lr), self._between_checkpoints)
                     record = {"val_losses": _val_losses(summary.checkpoints), "best_val_loss": summary.best_val_loss,
                               "diverged": False, "train_seconds": round(summary.seconds, 1)}
                 except TrainingDiverged as e:
                     record = {"val_losses": {}, "best_val_loss": None, "diverged": True, "error": str(e)}
             self.store.write(path, {"kind": "sweep", "method": method, "seed": seed, "lr": lr,
                                     "steps_per_epoch": steps, **record})
+            self._unit_done()
         self.choose_lr(method)
 
     def choose_lr(self, method: str) -> None:
@@ -273,7 +281,7 @@ class Runner:
                 **record})
             _log(f"  {method} seed {seed} step {step}: solved {record['mbpp_plus']['solved']}, "
                  f"NLL {record['heldout_nll']:.4f}, KL {record['kl']['mean']:.4g}")
-            self._unit_done()
+            self._between_checkpoints(path, state)
 
         with self._adapter(rc) as adapter:
             for path in list_checkpoints(run_dir):  # written but not scored when an earlier session ended
@@ -286,6 +294,7 @@ class Runner:
             "kind": "run", "method": method, "seed": seed, "lr": lr, "steps_per_epoch": steps,
             "steps": [int(Path(c).name.split("-")[1]) for c in summary.checkpoints],
             "train_seconds": round(summary.seconds, 1), "tokens": summary.tokens})
+        self._unit_done()
 
 
 class _Clock:
