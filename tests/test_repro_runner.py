@@ -149,6 +149,9 @@ def test_budget_stops_and_resume_reproduces_uninterrupted_results(finished, tmp_
             unit = json.loads(final.read_text())
             if unit["final"]:
                 assert (results / "runs" / f"{unit['method']}-seed{unit['seed']}.json").is_file()
+        for method in CONFIG["methods"]:  # nor between a method's last sweep run and its rate choice
+            if all((results / "sweep" / method / f"lr-{lr:g}.json").is_file() for lr in CONFIG["lr_grid"]):
+                assert (results / "lr" / f"{method}.json").is_file()
     assert sessions > 10  # it really was cut into many sessions
     assert world.calls["score_target"] == 3 * 2 * 2 + 1  # no unit was scored twice
     assert _unit_values(tmp_path / "results") == _unit_values(root / "results")

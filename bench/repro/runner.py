@@ -235,8 +235,12 @@ class Runner:
                     record = {"val_losses": {}, "best_val_loss": None, "diverged": True, "error": str(e)}
             self.store.write(path, {"kind": "sweep", "method": method, "seed": seed, "lr": lr,
                                     "steps_per_epoch": steps, **record})
-            self._unit_done()
+            if lr != self.config.lr_grid[-1]:
+                self._unit_done()
+        # No budget stop between the last sweep run and the choice: the choice reads the runs back
+        # from the state dir, and a fresh one would mean training every rate again.
         self.choose_lr(method)
+        self._unit_done()
 
     def choose_lr(self, method: str) -> None:
         """atlas_core.train.sweep_learning_rate over the finished sweep runs (it reads them back
