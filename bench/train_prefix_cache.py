@@ -7,9 +7,9 @@ Part 1 times each phase of a step on the same batches, cached and uncached inter
 Part 2 runs `train()` end to end on a subset both ways (tokens/s from its summary; the
 one-off cache build is reported separately and amortised over 5 epochs).
 Part 3 repeats part 1's step timing at other layers (`--curve`): the cache skips the forward of
-layers 0..l but not the forward and backward of l+1..L, so the speed-up is bounded by
+layers 0..l but not the forward and backward of l+1..L, so the speed-up to expect is
 (F_low + F_up + B_up) / (F_up + B_up), about 1.5x at l = L/2 when B_up ~ F_up (frozen
-weights: input gradients only), and grows with l.
+weights: input gradients only), and it grows with l.
 Prints a markdown section for docs/TRAINING.md.
 """
 from __future__ import annotations
@@ -73,6 +73,11 @@ def step_times(model, adapter, data, cache, layer: int, args) -> tuple[dict, int
     return rows, tokens
 
 
+def mean_step(rows: list[dict[str, float]]) -> float:
+    """Mean seconds of a whole step over `rows` (one dict of phase seconds per step)."""
+    return sum(sum(r.values()) for r in rows) / len(rows)
+
+
 def layer_curve(backbone, data, layers: list[int], args) -> list[tuple[int, float, float, float]]:
     """(layer, cached s/step, uncached s/step, lower-forward s) at each layer: part 1's timing."""
     out = []
@@ -82,9 +87,7 @@ def layer_curve(backbone, data, layers: list[int], args) -> list[tuple[int, floa
         torch.nn.init.normal_(residual.B, std=1e-3)
         cache = build_caches(backbone.model, data, layer)["train"]
         rows, _ = step_times(backbone.model, ResidualAdapter(residual), data, cache, layer, args)
-        n = len(rows["cached"])
-        out.append((layer, sum(sum(r.values()) for r in rows["cached"]) / n,
-                    sum(sum(r.values()) for r in rows["uncached"]) / n, statistics.median(rows["lower"])))
+        out.append((layer, mean_step(rows["cached"]), mean_step(rows["uncached"]), statistics.median(rows["lower"])))
     return out
 
 
