@@ -198,3 +198,23 @@ def test_other_configuration_is_refused(finished, tmp_path):
     changed = {**CONFIG, "epochs": 3}
     with pytest.raises(StaleResults, match="another configuration"):
         Runner(repro_from_dict(changed), tmp_path / "results", tmp_path / "state", TinyWorld(), Budget(None)).run()
+
+
+def test_atlas_refit_on_another_cpu_is_accepted_only_if_it_is_the_same_fit(tmp_path):
+    # A fresh state dir on another CPU refits the atlas with other SIMD rounding: another
+    # sha256, the same partition. Another partition (or plan) must still be refused.
+    from bench.repro.store import ResultStore
+    store = ResultStore(tmp_path, "f" * 64)
+    store.check_experiment({"name": "x"})
+    meta = {"layer": 2, "chart_sizes": [3, 5], "inertia": 1000.0, "config": {"num_charts": 2}}
+    store.record_atlas("a" * 64, meta)
+    store.record_atlas("b" * 64, {**meta, "inertia": 1000.001})
+    store.record_atlas("b" * 64, meta)  # seen before: recorded once
+    stored = json.loads((tmp_path / "experiment.json").read_text())
+    assert stored["atlas_sha256"] == "a" * 64 and stored["config"] == {"name": "x"}
+    assert [r["sha256"] for r in stored["atlas_refits"]] == ["b" * 64]
+    with pytest.raises(StaleResults, match="chart_sizes"):
+        store.record_atlas("c" * 64, {**meta, "chart_sizes": [4, 4]})
+    with pytest.raises(StaleResults, match="inertia"):
+        store.record_atlas("c" * 64, {**meta, "inertia": 1000.1})
+    assert json.loads((tmp_path / "experiment.json").read_text()) == stored  # refusals change nothing

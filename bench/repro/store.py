@@ -82,16 +82,32 @@ class ResultStore:
         self.write(path, {"config": config})
 
     def record_atlas(self, sha256: str, meta: dict) -> None:
-        """The atlas the residual methods use; a later session must use the same one."""
+        """The atlas the residual methods use; a later session must use the same fit.
+
+        A refit on another CPU (a fresh state dir on a machine with other SIMD kernels) rounds
+        the last bits of its floats differently, so its sha256 differs although the fit is the
+        same: same plan, the same chart sizes (the same k-means partition) and the same inertia
+        to a relative 1e-5. Such a refit is accepted and its sha256 recorded; any other refused.
+        """
         path = self.root / "experiment.json"
         stored = self.read(path) or {}
         known = stored.get("atlas_sha256")
-        if known is not None and known != sha256:
-            raise StaleResults(f"{path}: results were produced with atlas sha256 {known[:12]}, this session's atlas "
-                               f"is {sha256[:12]}; restore the atlas file or start a new experiment name")
         if known is None:
             self.write(path, {**{k: v for k, v in stored.items() if k not in ("schema", "fingerprint")},
                               "atlas_sha256": sha256, "atlas_meta": meta})
+            return
+        refits = stored.get("atlas_refits", [])
+        if sha256 == known or sha256 in [r["sha256"] for r in refits]:
+            return
+        old = stored["atlas_meta"]
+        differing = sorted(k for k in set(old) | set(meta) if k != "inertia" and old.get(k) != meta.get(k))
+        if differing or abs(meta["inertia"] - old["inertia"]) > 1e-5 * abs(old["inertia"]):
+            raise StaleResults(f"{path}: results were produced with atlas sha256 {known[:12]}, this session's atlas "
+                               f"is {sha256[:12]} and another fit (differing: {differing or ['inertia']}); "
+                               "restore the atlas file or start a new experiment name")
+        refit = {"sha256": sha256, "inertia": meta["inertia"]}
+        self.write(path, {**{k: v for k, v in stored.items() if k not in ("schema", "fingerprint")},
+                          "atlas_refits": refits + [refit]})
 
     def units(self) -> list[dict]:
         """Every scored checkpoint, in a stable order."""
