@@ -6,8 +6,9 @@ If ||mu||^2 is most of E||h||^2, training on code makes B A mu large, and that o
 added at every position of every domain, math included. A centered residual applies B A (h - mu)
 and carries no such shared shift. This prints, for the experiment's own layer and data, per domain
 (the MBPP training examples, the GSM8K test contexts of the KL measure): the mean's share of the
-energy ||mu||^2 / E||h||^2, and the cosine between the two domain means. A few positions (the
-first tokens) carry "massive activations" with norms far above the rest and dominate E||h||^2,
+energy ||mu||^2 / E||h||^2, and the cosine between the two domain means. A few positions carry
+"massive activations" with norms ~100x the median (here the same norm in both domains, so a
+position of the shared chat-template prefix) and dominate E||h||^2,
 so the share is also printed without positions whose norm exceeds 5x the median.
 
     .venv/bin/python -m bench.repro.mean_share --config configs/repro/smollm2.yaml
@@ -15,11 +16,15 @@ so the share is also printed without positions whose norm exceeds 5x the median.
 from __future__ import annotations
 
 import argparse
+import os
 
-import torch
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline, like the runner
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see BENCHMARKS.md)
 
-from .config import load_repro_config
-from .workload import mbpp_pairs
+import torch  # noqa: E402
+
+from .config import load_repro_config  # noqa: E402
+from .workload import mbpp_pairs  # noqa: E402
 
 
 def mean_share(x: torch.Tensor) -> float:
@@ -63,6 +68,7 @@ def main() -> None:
     both = typical(torch.cat(list(per_domain.values())))
     print(f"  without massive positions: cosine between the two domain means "
           f"{float(torch.nn.functional.cosine_similarity(a, b, dim=0)):.3f}; both domains pooled: share {mean_share(both):.3f}")
+
 
 if __name__ == "__main__":
     main()
