@@ -16,7 +16,7 @@ from bench.repro import runner as runner_module
 from bench.repro.config import repro_from_dict
 from bench.repro.report import write_report
 from bench.repro.runner import Budget, Runner
-from bench.repro.store import StaleResults
+from bench.repro.store import ResultStore, StaleResults
 from bench.repro.workload import TargetScore, Workload
 from evaluation.answers import Answer
 from evaluation.tiny import tiny_llama, tiny_tokenizer
@@ -203,7 +203,6 @@ def test_other_configuration_is_refused(finished, tmp_path):
 def test_atlas_refit_on_another_cpu_is_accepted_only_if_it_is_the_same_fit(tmp_path):
     # A fresh state dir on another CPU refits the atlas with other SIMD rounding: another
     # sha256, the same partition. Another partition (or plan) must still be refused.
-    from bench.repro.store import ResultStore
     store = ResultStore(tmp_path, "f" * 64)
     store.check_experiment({"name": "x"})
     meta = {"layer": 2, "chart_sizes": [3, 5], "inertia": 1000.0, "config": {"num_charts": 2}}

@@ -47,12 +47,12 @@ def main() -> None:
 
     from atlas_core.backbone import load_backbone
     from atlas_core.extract import sample_activations
+    from atlas_core.train import render_chat
     from evaluation.contexts import retained_contexts
-    from evaluation.prompts import render
 
     backbone = load_backbone(config.backbone, config.dtype)
     tok = backbone.tokenizer
-    code = [render(tok, p["prompt"], "code") + p["response"] for p in mbpp_pairs("train")]
+    code = ["".join(render_chat(tok, p["prompt"], p["response"])) for p in mbpp_pairs("train")]  # as the trainer sees them
     _, math = retained_contexts(tok, "gsm8k", "test", limit=args.vectors // 2)
     per_domain = {}
     for name, texts in (("mbpp train", code), ("gsm8k test", math)):

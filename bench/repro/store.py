@@ -93,8 +93,7 @@ class ResultStore:
         stored = self.read(path) or {}
         known = stored.get("atlas_sha256")
         if known is None:
-            self.write(path, {**{k: v for k, v in stored.items() if k not in ("schema", "fingerprint")},
-                              "atlas_sha256": sha256, "atlas_meta": meta})
+            self._update(path, stored, atlas_sha256=sha256, atlas_meta=meta)
             return
         refits = stored.get("atlas_refits", [])
         if sha256 == known or sha256 in [r["sha256"] for r in refits]:
@@ -105,9 +104,11 @@ class ResultStore:
             raise StaleResults(f"{path}: results were produced with atlas sha256 {known[:12]}, this session's atlas "
                                f"is {sha256[:12]} and another fit (differing: {differing or ['inertia']}); "
                                "restore the atlas file or start a new experiment name")
-        refit = {"sha256": sha256, "inertia": meta["inertia"]}
-        self.write(path, {**{k: v for k, v in stored.items() if k not in ("schema", "fingerprint")},
-                          "atlas_refits": refits + [refit]})
+        self._update(path, stored, atlas_refits=refits + [{"sha256": sha256, "inertia": meta["inertia"]}])
+
+    def _update(self, path: Path, stored: dict, **fields) -> None:
+        """Rewrite the record `stored` (read from `path`) with `fields` added or replaced."""
+        self.write(path, {**{k: v for k, v in stored.items() if k not in ("schema", "fingerprint")}, **fields})
 
     def units(self) -> list[dict]:
         """Every scored checkpoint, in a stable order."""
