@@ -6,6 +6,7 @@
     load_csqa("train")        9,741 rows
     load_mbpp("train")          120 rows (sanitized MBPP): task_id, text, first_test, code, test_list, test_imports
     load_mbpp("validation"/"test")  43 / 257 rows
+    mbpp_pairs("train")         the same rows as training pairs: {"prompt", "response", "id"}
     load_mbpp_plus("test")      224 rows (MBPP+ v0.2.0 ids in the MBPP test split):
                                 task_id ("Mbpp/N"), text, first_test, entry_point, canonical_solution
 
@@ -34,6 +35,7 @@ from datasets import Dataset  # noqa: E402
 
 from atlas_core.paths import data_dir, state_dir  # noqa: E402
 from evaluation.datafiles import DataIntegrityError, download, verified_path, verify_all  # noqa: E402
+from evaluation.prompts import code_pair  # noqa: E402
 
 GSM8K_FILES = {"test": "gsm8k/test.jsonl", "train": "gsm8k/train.jsonl"}
 CSQA_FILES = {"validation": "csqa/dev_rand_split.jsonl", "train": "csqa/train_rand_split.jsonl"}
@@ -116,6 +118,11 @@ def load_mbpp(split: str = "train", root: str | Path | None = None) -> Dataset:
     return ds.map(lambda row: {"text": row["prompt"], "first_test": row["test_list"][0]}).select_columns(
         ["task_id", "text", "first_test", "code", "test_list", "test_imports"]
     )
+
+
+def mbpp_pairs(split: str = "train", root: str | Path | None = None) -> list[dict]:
+    """Sanitized MBPP `split` as training pairs: problem + first test -> fenced reference code."""
+    return [code_pair(r["text"], r["first_test"], r["code"], f"mbpp-{r['task_id']}") for r in load_mbpp(split, root)]
 
 
 def split_plus_prompt(prompt: str, where: str) -> tuple[str, str]:

@@ -23,6 +23,12 @@ def code_message(text: str, first_test: str) -> str:
     )
 
 
+def code_pair(text: str, first_test: str, code: str, pair_id: str) -> dict:
+    """A code training pair: the generation prompt's user message -> the code in one fenced block
+    (what the model is asked to write, so training and generation see the same message)."""
+    return {"prompt": code_message(text, first_test), "response": f"```python\n{code.strip()}\n```", "id": pair_id}
+
+
 def math_message(question: str) -> str:
     """A GSM8K question; the answer format is what `answers.extract_gsm8k_answer` reads first."""
     return (

@@ -48,14 +48,6 @@ class SkillSet:
     sha256: str
 
 
-def _mbpp_pairs(split: str) -> list[dict]:
-    from evaluation.data import load_mbpp
-    from evaluation.prompts import code_message
-
-    return [{"prompt": code_message(r["text"], r["first_test"]), "response": f"```python\n{r['code'].strip()}\n```",
-             "id": f"mbpp-{r['task_id']}"} for r in load_mbpp(split)]
-
-
 def _jsonl_pairs(path: str) -> list[dict]:
     from evaluation.userdata import load_skill_jsonl
 
@@ -69,9 +61,10 @@ def _first(rows: list, limit: int | None) -> list:
 def skill_set(config: UpdateConfig) -> SkillSet:
     data = config.data
     if data.source == "mbpp":
+        from evaluation.data import mbpp_pairs
         from evaluation.datafiles import known
 
-        train, val = _mbpp_pairs("train"), _mbpp_pairs("validation")
+        train, val = mbpp_pairs("train"), mbpp_pairs("validation")
         name, sha = "mbpp-sanitized", known("mbpp/sanitized-mbpp.json").sha256
     else:
         from registry import sha256_file
@@ -120,8 +113,10 @@ class ResponseMatchScorer(TargetScorer):
     def __init__(self, config: UpdateConfig, tokenizer=None):
         self.spec = config.target
         self.dataset = f"response-match@{self.spec.threshold:g}"
+        from evaluation.data import mbpp_pairs
+
         data = config.data
-        pairs = _mbpp_pairs("test") if data.source == "mbpp" else (_jsonl_pairs(data.val_source) if data.val_source else [])
+        pairs = mbpp_pairs("test") if data.source == "mbpp" else (_jsonl_pairs(data.val_source) if data.val_source else [])
         if not pairs:
             raise ValueError("target.scorer: 'response-match' needs held-out pairs (data.val_source for a JSONL skill)")
         self.pairs = _first(pairs, self.spec.limit)

@@ -89,6 +89,17 @@ def test_loader_contents() -> None:
         D.load_gsm8k("validation")
 
 
+def test_mbpp_pairs_are_the_generation_message_to_fenced_reference_code() -> None:
+    from evaluation.prompts import code_message
+
+    rows, pairs = D.load_mbpp("train"), D.mbpp_pairs("train")
+    assert len(pairs) == 120 and pairs[0]["id"] == f"mbpp-{rows[0]['task_id']}"
+    # The prompt is the user message generation sends (evaluation.tasks renders code_message).
+    assert all(p["prompt"] == code_message(r["text"], r["first_test"]) for p, r in zip(pairs, rows))
+    assert pairs[0]["response"] == f"```python\n{rows[0]['code'].strip()}\n```"
+    assert {p["id"] for p in D.mbpp_pairs("validation")}.isdisjoint(p["id"] for p in pairs)
+
+
 def test_splits_json_regenerates_to_published_sha() -> None:
     regenerated = build_splits_json(
         (ROOT / "mbpp/sanitized-mbpp.json").read_bytes(), (ROOT / "mbppplus/MbppPlus-v0.2.0.jsonl").read_bytes()

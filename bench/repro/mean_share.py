@@ -24,7 +24,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 import torch  # noqa: E402
 
 from .config import load_repro_config  # noqa: E402
-from .workload import mbpp_pairs  # noqa: E402
 
 
 def mean_share(x: torch.Tensor) -> float:
@@ -49,6 +48,7 @@ def main() -> None:
     from atlas_core.extract import sample_activations
     from atlas_core.train import render_chat
     from evaluation.contexts import retained_contexts
+    from evaluation.data import mbpp_pairs
 
     backbone = load_backbone(config.backbone, config.dtype)
     tok = backbone.tokenizer

@@ -47,23 +47,10 @@ class Workload:
     info: dict = field(default_factory=dict)  # backbone revision, atlas file, ...
 
 
-def code_pair(text: str, first_test: str, code: str, pair_id: str) -> dict:
-    """The training format: the generation prompt's user message -> the code in one fenced block
-    (what the model is asked to write, so training and generation see the same message)."""
-    from evaluation.prompts import code_message
-
-    return {"prompt": code_message(text, first_test), "response": f"```python\n{code.strip()}\n```", "id": pair_id}
-
-
-def mbpp_pairs(split: str) -> list[dict]:
-    from evaluation.data import load_mbpp
-
-    return [code_pair(r["text"], r["first_test"], r["code"], f"mbpp-{r['task_id']}") for r in load_mbpp(split)]
-
-
 def heldout_pairs(limit: int) -> list[dict]:
     """The first `limit` MBPP+ test problems with their canonical solutions."""
     from evaluation.data import load_mbpp_plus
+    from evaluation.prompts import code_pair
 
     rows = load_mbpp_plus("test")
     rows = rows.select(range(min(limit, len(rows))))
@@ -107,6 +94,7 @@ def default_workload(config: ReproConfig, state: Path) -> Workload:
     """The real workload on `config.backbone` (offline; data verified by sha256)."""
     from atlas_core.backbone import load_backbone
     from evaluation.contexts import retained_contexts
+    from evaluation.data import mbpp_pairs
     from evaluation.tasks import eval_gsm8k, eval_mbpp_plus
 
     backbone = load_backbone(config.backbone, config.dtype)
