@@ -111,10 +111,10 @@ class ResponseMatchScorer(TargetScorer):
     """Held-out pairs: MBPP test (source 'mbpp') or the skill file's validation pairs."""
 
     def __init__(self, config: UpdateConfig, tokenizer=None):
-        self.spec = config.target
-        self.dataset = f"response-match@{self.spec.threshold:g}"
         from evaluation.data import mbpp_pairs
 
+        self.spec = config.target
+        self.dataset = f"response-match@{self.spec.threshold:g}"
         data = config.data
         pairs = mbpp_pairs("test") if data.source == "mbpp" else (_jsonl_pairs(data.val_source) if data.val_source else [])
         if not pairs:

@@ -59,12 +59,13 @@ def main() -> None:
         n = min(args.vectors, 2 * len(texts))
         per_domain[name] = sample_activations(backbone.model, tok, texts, config.layer, n, progress=False)  # (n, d)
     print(f"layer {config.layer} of {backbone.name} ({backbone.dtype})")
+    kept = {name: typical(x) for name, x in per_domain.items()}
     for name, x in per_domain.items():
-        t = typical(x)
+        norms, t = x.norm(dim=1), kept[name]
         print(f"  {name:11s} positions {len(x):5d}  mean's share of E||h||^2 {mean_share(x):.3f}  "
-              f"median ||h|| {float(x.norm(dim=1).median()):7.1f}  max {float(x.norm(dim=1).max()):7.1f}  |  "
+              f"median ||h|| {float(norms.median()):7.1f}  max {float(norms.max()):7.1f}  |  "
               f"without massive positions ({len(x) - len(t)} dropped): share {mean_share(t):.3f}")
-    a, b = (typical(x).mean(0) for x in per_domain.values())
+    a, b = (t.mean(0) for t in kept.values())
     both = typical(torch.cat(list(per_domain.values())))
     print(f"  without massive positions: cosine between the two domain means "
           f"{float(torch.nn.functional.cosine_similarity(a, b, dim=0)):.3f}; both domains pooled: share {mean_share(both):.3f}")
