@@ -9,8 +9,10 @@ one-off cache build is reported separately and amortised over 5 epochs).
 Part 3 repeats part 1's step timing at other layers (`--curve`): the cache skips the forward of
 layers 0..l but not the forward and backward of l+1..L, so the speed-up to expect is
 (F_low + F_up + B_up) / (F_up + B_up), about 1.5x at l = L/2 when B_up ~ F_up (frozen
-weights: input gradients only), and it grows with l.
-Prints a markdown section for docs/TRAINING.md.
+weights: input gradients only), and it grows with l. Beside the measured ratios it prints
+that ratio counted in matmul FLOPs (`matmul_ratio`), which is where ~3/4 of a step goes on
+CPU (torch.profiler: aten::mm), and its ceiling with a free LM head, 1 + (l+1) / (2 (L-l-1)).
+Prints a markdown section; bench/run_all.py puts it into docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from atlas_core.backbone import hidden_at_layer, load_backbone  # noqa: E402
+from atlas_core.backbone import decoder_layers, hidden_at_layer, load_backbone  # noqa: E402
 from atlas_core.residual import ResidualConfig, build_residual  # noqa: E402
 from atlas_core.train import TrainConfig, build_caches, epoch_batches, prepare_data, train  # noqa: E402
 from atlas_core.train.adapters import ResidualAdapter  # noqa: E402
@@ -78,8 +80,30 @@ def mean_step(rows: list[dict[str, float]]) -> float:
     return sum(sum(r.values()) for r in rows) / len(rows)
 
 
-def layer_curve(backbone, data, layers: list[int], args) -> list[tuple[int, float, float, float]]:
-    """(layer, cached s/step, uncached s/step, lower-forward s) at each layer: part 1's timing."""
+def matmul_ratio(model, data, layer: int, args) -> float:
+    """Part 1's uncached/cached step ratio counted in multiply-adds of the backbone's linear
+    layers over the same batches: each decoder layer's nn.Linear weights once per (padded)
+    token, the LM head once per supervised (response) position. With frozen weights a
+    backward computes input gradients only: as many multiply-adds as the forward."""
+    layers = decoder_layers(model)
+    per_token_layer = sum(m.weight.numel() for m in layers[0].modules() if isinstance(m, torch.nn.Linear))
+    per_target_head = model.get_output_embeddings().weight.numel()
+    lower = upper = 0
+    for index in epoch_batches(data.train.lengths, args.batch_size, 0, 0)[1 : args.batches + 1]:  # part 1's
+        batch = collate(data.train, index, data.pad_id)
+        padded, supervised = batch.ids.numel(), int((batch.targets != -100).sum())
+        lower += (layer + 1) * per_token_layer * padded
+        upper += (len(layers) - layer - 1) * per_token_layer * padded + per_target_head * supervised
+    return (lower + 2 * upper) / (2 * upper)
+
+
+def free_head_ceiling(layer: int, n_layers: int) -> float:
+    """`matmul_ratio` if the LM head cost nothing: 1 + (l+1) / (2 (L-l-1)); 1.5x at l = L/2."""
+    return 1 + (layer + 1) / (2 * (n_layers - layer - 1))
+
+
+def layer_curve(backbone, data, layers: list[int], args) -> list[tuple[int, float, float, float, float]]:
+    """(layer, cached s/step, uncached s/step, lower-forward s, matmul ratio) at each layer: part 1's timing."""
     out = []
     for layer in layers:
         residual = build_residual(ResidualConfig(variant="atlas", layer=layer, rank=16), backbone.model,
@@ -87,7 +111,8 @@ def layer_curve(backbone, data, layers: list[int], args) -> list[tuple[int, floa
         torch.nn.init.normal_(residual.B, std=1e-3)
         cache = build_caches(backbone.model, data, layer)["train"]
         rows, _ = step_times(backbone.model, ResidualAdapter(residual), data, cache, layer, args)
-        out.append((layer, mean_step(rows["cached"]), mean_step(rows["uncached"]), statistics.median(rows["lower"])))
+        out.append((layer, mean_step(rows["cached"]), mean_step(rows["uncached"]), statistics.median(rows["lower"]),
+                    matmul_ratio(backbone.model, data, layer, args)))
     return out
 
 
@@ -133,7 +158,7 @@ def main() -> None:
     curve = layer_curve(backbone, data, [int(x) for x in args.curve.split(",") if x.strip()], args)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-    n = len(rows["cached"])
+    n, n_layers = len(rows["cached"]), model.config.num_hidden_layers
     print("\n### Prefix cache: training throughput (bench/train_prefix_cache.py)\n")
     print(f"Machine: {machine()}. Backbone smollm2-135m (30 layers, d=576), fp32, full ATLAS r=16 at layer {layer}; "
           f"MBPP train, batch {args.batch_size}, right padding, logits only at response positions.\n")
@@ -147,7 +172,9 @@ def main() -> None:
     print(f"| *(of which layers 0..{layer}, no grad)* | 0 (cached) | {statistics.median(rows['lower']):.3f} |")
     print(f"| **total per step** | **{total['cached'] / n:.3f}** | **{total['uncached'] / n:.3f}** |")
     print(f"| tokens/s | {tokens / total['cached']:,.0f} | {tokens / total['uncached']:,.0f} |\n")
-    print(f"Step-time ratio (uncached / cached): **{total['uncached'] / total['cached']:.2f}x**.\n")
+    print(f"Step-time ratio (uncached / cached): **{total['uncached'] / total['cached']:.2f}x**. The same ratio "
+          f"counted in matmul FLOPs over these batches: {matmul_ratio(model, data, layer, args):.2f}x; with a free "
+          f"LM head at most {free_head_ceiling(layer, n_layers):.2f}x.\n")
     print(f"Part 2: `train()` end to end, 1 epoch on {args.subset} examples "
           f"({e2e[True].steps} steps, {e2e[True].tokens:,} tokens, validation and checkpoints off the clock):\n")
     print("| | tokens/s | epoch time (s) |")
@@ -158,14 +185,15 @@ def main() -> None:
           f"{len(data.train)} training examples took {cache_s:.1f} s once ({cache.nbytes / 2**20:.0f} MiB fp32); "
           f"over 5 epochs, cache build included: {amortised:.2f}x. Peak RSS of this process: {peak:,.0f} MiB.")
     if curve:
-        n_layers = model.config.num_hidden_layers
         print(f"\nPart 3: step time by adapted layer (part 1's timing, {args.batches} steps each, mean seconds per "
               "step). The cache removes only the forward of layers 0..l, so the expected ratio is the uncached step "
               "over the uncached step less that forward; steps on this 2-core VM vary by ~15% between repeats:\n")
-        print("| layer l | l / L | with cache | without | ratio | expected: without / (without - forward of 0..l) |")
-        print("|---:|---:|---:|---:|---:|---:|")
-        for lay, c, u, low in curve:
-            print(f"| {lay} | {(lay + 1) / n_layers:.2f} | {c:.3f} | {u:.3f} | **{u / c:.2f}x** | {u / (u - low):.2f}x |")
+        print("| layer l | (l+1) / L | with cache | without | ratio | without / (without - forward of 0..l) "
+              "| matmul FLOPs | ceiling, free head |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for lay, c, u, low, flops in curve:
+            print(f"| {lay} | {(lay + 1) / n_layers:.2f} | {c:.3f} | {u:.3f} | **{u / c:.2f}x** | {u / (u - low):.2f}x "
+                  f"| {flops:.2f}x | {free_head_ceiling(lay, n_layers):.2f}x |")
 
 
 if __name__ == "__main__":
