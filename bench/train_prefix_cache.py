@@ -54,11 +54,16 @@ def timed_step(model, adapter, batch, cache, optimizer) -> dict[str, float]:
     return t
 
 
+def part1_batches(data, args) -> list[list[int]]:
+    """Part 1's batches (first epoch, seed 0): one warm-up batch, then `args.batches` timed ones."""
+    return epoch_batches(data.train.lengths, args.batch_size, 0, 0)[: args.batches + 1]
+
+
 def step_times(model, adapter, data, cache, layer: int, args) -> tuple[dict, int]:
     """Per-phase seconds of `args.batches` steps (after one warm-up), cached and uncached
     interleaved on the same batches, and the forward of layers 0..layer alone."""
     optimizer = torch.optim.AdamW([p for _, p in adapter.named_trainable()], lr=1e-5)
-    batches = epoch_batches(data.train.lengths, args.batch_size, 0, 0)[: args.batches + 1]
+    batches = part1_batches(data, args)
     rows = {"cached": [], "uncached": [], "lower": []}
     tokens = 0
     for i, index in enumerate(batches):
@@ -89,7 +94,7 @@ def matmul_ratio(model, data, layer: int, args) -> float:
     per_token_layer = sum(m.weight.numel() for m in layers[0].modules() if isinstance(m, torch.nn.Linear))
     per_target_head = model.get_output_embeddings().weight.numel()
     lower = upper = 0
-    for index in epoch_batches(data.train.lengths, args.batch_size, 0, 0)[1 : args.batches + 1]:  # part 1's
+    for index in part1_batches(data, args)[1:]:  # the timed ones
         batch = collate(data.train, index, data.pad_id)
         padded, supervised = batch.ids.numel(), int((batch.targets != -100).sum())
         lower += (layer + 1) * per_token_layer * padded
