@@ -31,6 +31,12 @@ class Attachment:
     The model is not copied or modified; `detach()` (or leaving the `with` block) restores it.
     Generation works unchanged: routing depends only on the token's own h, so nothing is
     added to the KV cache.
+
+    Residuals attached to the same layer apply in the order they were attached: each sees
+    the output of the ones before it (h1 = h + D1(h), h2 = h1 + D2(h1)), which is what a
+    version chain means (a release trained with its parent attached). They share one hook
+    per layer, registered first (prepend) so that it runs before hooks that record layer
+    outputs (transformers' output_hidden_states) and before partial-forward hooks.
     """
 
     def __init__(self, model: nn.Module, residual: AtlasResidual):
@@ -39,23 +45,47 @@ class Attachment:
         param = next(model.parameters())
         residual.to(param.device)
         self.model, self.residual = model, residual
-        # prepend: run before hooks that record layer outputs (transformers' output_hidden_states)
-        self._handle = layers[residual.config.layer].register_forward_hook(self._hook, prepend=True)
-
-    def _hook(self, _module, _args, output):
-        h = layer_output(output)
-        return with_layer_output(output, h + self.residual(h))
+        self._layer = layers[residual.config.layer]
+        stack = _residual_stack(self._layer)
+        stack.append(residual)
+        self._attached = True
 
     def detach(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        if self._attached:
+            _release(self._layer, self.residual)
+            self._attached = False
 
     def __enter__(self) -> "Attachment":
         return self
 
     def __exit__(self, *exc) -> None:
         self.detach()
+
+
+_STACK = "_atlas_residual_stack"  # attribute on a decoder layer: (hook handle, [residuals in order])
+
+
+def _residual_stack(layer: nn.Module) -> list:
+    """The ordered residuals of a layer, creating its single hook on first use."""
+    if not hasattr(layer, _STACK):
+        residuals: list[AtlasResidual] = []
+
+        def hook(_module, _args, output):
+            h = layer_output(output)  # (B, T, d)
+            for r in residuals:
+                h = h + r(h)
+            return with_layer_output(output, h)
+
+        setattr(layer, _STACK, (layer.register_forward_hook(hook, prepend=True), residuals))
+    return getattr(layer, _STACK)[1]
+
+
+def _release(layer: nn.Module, residual: AtlasResidual) -> None:
+    handle, residuals = getattr(layer, _STACK)
+    residuals.remove(residual)
+    if not residuals:  # leave the model exactly as it was: no hook, no attribute
+        handle.remove()
+        delattr(layer, _STACK)
 
 
 def attach(model: nn.Module, residual: AtlasResidual) -> Attachment:
