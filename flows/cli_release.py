@@ -49,9 +49,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from registry import alias_holder, base_version, latest_evaluation
+    from registry import alias_holder, base_version, latest_evaluation, recent_decisions, recent_training_runs
 
-    from .ledger_ops import recent_decisions, recent_training_runs
     from .report import latest_report
 
     p = _platform()
@@ -69,8 +68,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         for did, name, passed, policy, when in recent_decisions(p.ledger, model.id, args.limit):
             print(f"  {when}  #{did:<4d} {'PASS  ' if passed else 'REJECT'} {name}  ({policy})")
         print("last training runs:")
-        for r in recent_training_runs(p.ledger, _backbone_id(p, model), model.skill, args.limit):
-            print(f"  {r['started']}  #{r['id']:<4d} {r['method']} seed {r['seed']}: {r['status']}")
+        for r in recent_training_runs(p.ledger, _backbone_id(p, model), None, args.limit, model_id=model.id):
+            print(f"  {r['started']}  #{r['id']:<4d} {r['skill']} {r['method']} seed {r['seed']}: {r['status']}")
     finally:
         p.close()
     if not args.no_prefect:

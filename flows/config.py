@@ -31,8 +31,9 @@ def _positive(obj, *names: str) -> None:
 
 @dataclass
 class SkillData:
-    source: str = field("Where the skill's (prompt, response) pairs come from: 'mbpp' (sanitized MBPP train/validation) "
-                        "or a JSONL skill file (evaluation/userdata.py schema); 'tiny' is a built-in toy set for tests.", "mbpp")
+    source: str = field("Where the skill's (prompt, response) pairs come from: 'mbpp' (sanitized MBPP train/validation), "
+                        "'gsm8k' (GSM8K train problems -> worked solutions; held out: test), a JSONL skill file "
+                        "(evaluation/userdata.py schema) or a folder of such snapshots (the newest is taken).", "mbpp")
     val_source: str | None = field("JSONL file of validation pairs (for a JSONL source; 'mbpp' uses its validation split).", None)
     train_limit: int | None = field("First N training pairs (null: all).", None)
     val_limit: int | None = field("First N validation pairs (null: all; 0 is not allowed, use null for none).", 16)
@@ -43,20 +44,15 @@ class SkillData:
 
 @dataclass
 class TargetSpec:
-    scorer: str = field(f"Target scorer, one of {SCORERS}: EvalPlus pass@1 on MBPP+ test problems, or teacher-forced "
-                        "agreement with the reference responses of held-out skill pairs (for skills without tests).",
-                        "mbpp-plus")
-    limit: int | None = field("First N evaluation problems (null: all 224 MBPP+ test problems).", 16)
-    max_new_tokens: int = field("Greedy generation budget per problem.", 256)
-    batch_size: int = field("Prompts per generation batch.", 8)
-    threshold: float = field("response-match: share of reference tokens the model must predict to solve a problem.", 0.9)
+    scorer: str = field("Target scorer: a built-in (mbpp-plus, gsm8k-accuracy, csqa-choice, exact-match, reference-nll, "
+                        "response-match; see evaluation/scorers.py) or a user's 'package.module:Factory'.", "mbpp-plus")
+    options: dict[str, int | float | bool | str | None] = field(
+        "The scorer's options (e.g. limit, max_new_tokens, batch_size; each scorer documents its own). Unknown "
+        "options are errors, checked before any training starts.", factory=dict)
 
     def __post_init__(self) -> None:
         if not self.scorer:
-            raise ConfigError("scorer: expected a scorer name (see flows.components.SCORER_FACTORIES)")
-        _positive(self, "limit", "max_new_tokens", "batch_size")
-        if not 0 < self.threshold <= 1:
-            raise ConfigError(f"threshold: expected a value in (0, 1], got {self.threshold!r}")
+            raise ConfigError("scorer: expected a scorer name (see evaluation/scorers.py)")
 
 
 @dataclass
@@ -114,7 +110,9 @@ class UpdateConfig:
                           "smollm2-135m")
     dtype: str = field(f"Model dtype, one of {DTYPES}; auto is bfloat16 where the hardware runs it natively "
                        "(a bf16 GPU, AVX512-BF16/AMX CPUs), else float32.", "auto")
-    skill: str = field("Name of the skill being added (the registered model is '<backbone>.<skill>').", "code")
+    skill: str = field("Name of the skill this release teaches.", "code")
+    line: str | None = field("The release line (registered model '<backbone>.<line>'); each release builds on the line's "
+                             "champion. null: a line named after the skill.", None)
     layer: int = field("Decoder layer l of the residual / LoRA (-1: the middle layer).", -1)
     evaluate: str = field(f"Which checkpoints become candidates, one of {EVALUATE}: each epoch's last, every "
                           "checkpoint, or only each run's final one.", "epoch-ends")
@@ -130,8 +128,13 @@ class UpdateConfig:
             raise ConfigError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
         if self.evaluate not in EVALUATE:
             raise ConfigError(f"evaluate: expected one of {EVALUATE}, got {self.evaluate!r}")
-        if self.layer < -1:
-            raise ConfigError(f"layer: expected -1 (middle) or a layer index >= 0, got {self.layer!r}")
+        if self.layer == 0 or self.layer < -1:
+            raise ConfigError(f"layer: expected -1 (middle) or a layer index >= 1 (retained KL caches layers below it), "
+                              f"got {self.layer!r}")
+
+    @property
+    def line_name(self) -> str:
+        return self.line or self.skill
 
     def to_dict(self) -> dict:
         return asdict(self)

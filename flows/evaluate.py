@@ -1,4 +1,9 @@
-"""evaluate_candidate: target score, retained KL vs base and vs champion, answers and churn.
+"""evaluate_candidate: target score, released skills' scores, retained KL vs base and vs champion,
+answers and churn.
+
+A candidate is measured on everything its line must keep: retained KL on every member of
+the retained set R (configured domains and released skills), answer churn where a domain
+has answers, and each released skill's target score against the champion's (no-regression).
 
 Per-question answers are stored per version in the ledger (target pass/fail, GSM8K final
 answers, CSQA choices), so a version is generated for once per evaluation subset: later
@@ -8,20 +13,25 @@ the same champion with the same settings (`UpdateConfig.eval_key`) is reused as 
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from .cycle import Applied, Cycle, apply_version, reference, retained_kl
-from .gates import CandidateMetrics, Flips
+from .gates import CandidateMetrics, Flips, Regression
 
 Answers = dict  # question id -> registry.AnswerRecord
+
+
+SKILL = "skill:"  # answer kinds of released skills: "skill:<name>"
 
 
 def answer_sets(cycle: Cycle, scorer) -> dict[str, str]:
     """kind -> ledger dataset name of the answers each evaluation needs."""
     r = cycle.config.retained
     sets = {"target": scorer.dataset}
+    sets |= {SKILL + name: s.dataset for name, s in cycle.released_scorers.items()}
     if "gsm8k" in r.domains:
         sets["gsm8k"] = f"gsm8k@{r.max_new_tokens}tok"
     if "csqa" in r.domains:
@@ -35,6 +45,8 @@ def question_ids(cycle: Cycle, kind: str, scorer) -> list[str]:
     r = cycle.config.retained
     if kind == "target":
         return scorer.problem_ids()
+    if kind.startswith(SKILL):
+        return cycle.released_scorers[kind[len(SKILL):]].problem_ids()
     rows = load_gsm8k("test") if kind == "gsm8k" else load_csqa("validation")
     return list(rows["id"][: r.gsm8k_questions if kind == "gsm8k" else r.csqa_questions])
 
@@ -44,8 +56,9 @@ def _generate(cycle: Cycle, applied: Applied, kind: str, scorer) -> dict[str, tu
 
     bb, r = cycle.backbone, cycle.config.retained
     with applied.on_model(bb.model):
-        if kind == "target":
-            return {q: ("pass" if ok else "fail", ok) for q, ok in scorer.score(bb.model, bb.tokenizer).items()}
+        if kind == "target" or kind.startswith(SKILL):
+            s = scorer if kind == "target" else cycle.released_scorers[kind[len(SKILL):]]
+            return {q: (ps.answer, ps.correct) for q, ps in s.score(bb.model, bb.tokenizer).items()}
         if kind == "gsm8k":
             got = eval_gsm8k(bb.model, bb.tokenizer, limit=r.gsm8k_questions, max_new_tokens=r.max_new_tokens,
                              batch_size=r.batch_size).answers
@@ -68,6 +81,31 @@ def version_answers(cycle: Cycle, applied: Applied, kind: str, dataset: str, ids
     return {q: stored[q] for q in ids}
 
 
+def value_of(scorer, answer) -> float:
+    """A stored answer's per-problem value: 1/0 for solved-problem scorers, else the number the
+    scorer wrote as its answer (e.g. reference-nll's mean NLL)."""
+    return float(answer.correct) if scorer.aggregate == "sum" else float(answer.answer)
+
+
+def score_of(scorer, answers: Answers) -> float:
+    values = [value_of(scorer, a) for a in answers.values()]
+    return sum(values) if scorer.aggregate == "sum" else (sum(values) / len(values) if values else math.nan)
+
+
+def regression(scorer, reference: Answers, new: Answers) -> Regression:
+    """Paired per-problem drop of a released skill's score (reference minus new, signed so that
+    > 0 is worse whether the scorer's higher or lower values are better)."""
+    from statistics import fmean, pstdev
+
+    sign = 1.0 if scorer.higher_is_better else -1.0
+    shared = [q for q in reference if q in new]
+    drops = [sign * (value_of(scorer, reference[q]) - value_of(scorer, new[q])) for q in shared]
+    if not drops:
+        return Regression(0, None, None, None, None)
+    return Regression(len(drops), score_of(scorer, reference), score_of(scorer, new), fmean(drops),
+                      pstdev(drops) if len(drops) > 1 else 0.0)
+
+
 def flips(reference: Answers, new: Answers) -> Flips:
     """F/G/W of `new` against `reference` (same question ids); none asked gives n = 0, which the gate rejects."""
     from evaluation.churn import answer_churn
@@ -80,8 +118,8 @@ def flips(reference: Answers, new: Answers) -> Flips:
 
 @task(cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1)
 def kl_against(cycle: Cycle, applied: Applied, ref_applied: Applied) -> dict[str, float]:
-    """Retained KL(ref || version) per domain, nats/token."""
-    return {d: retained_kl(cycle, applied, reference(cycle, ref_applied, d), d) for d in cycle.config.retained.domains}
+    """Retained KL(ref || version) per member of the retained set, nats/token."""
+    return {m: retained_kl(cycle, applied, reference(cycle, ref_applied, m), m) for m in cycle.members}
 
 
 def all_answers(cycle: Cycle, applied: Applied, scorer) -> dict[str, Answers]:
@@ -91,6 +129,10 @@ def all_answers(cycle: Cycle, applied: Applied, scorer) -> dict[str, Answers]:
 
 def solved(answers: dict[str, Answers]) -> int:
     return sum(a.correct for a in answers["target"].values())
+
+
+def released_regressions(cycle: Cycle, champ: dict[str, Answers], mine: dict[str, Answers]) -> dict[str, Regression]:
+    return {name: regression(s, champ[SKILL + name], mine[SKILL + name]) for name, s in cycle.released_scorers.items()}
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
@@ -107,27 +149,37 @@ def record_candidate(cycle: Cycle, m: CandidateMetrics, champion_id: int) -> int
     record = EvaluationRecord(m.version_id, m.target_solved, m.target_total,
                               [DomainKL(d, ok(m.kl_vs_base.get(d)), ok(m.kl_vs_champion.get(d))) for d in m.kl_vs_base],
                               churn, ok(m.csqa_choice_churn), champion_id,
-                              {"eval_key": cycle.config.eval_key(), "nonfinite": nonfinite,
-                               "champion_solved": m.champion_solved}, cycle.flow_run_id)
+                              {"eval_key": eval_key(cycle), "nonfinite": nonfinite,
+                               "champion_solved": m.champion_solved,
+                               "released": {k: asdict(r) for k, r in m.released.items()},
+                               "target_score": ok(m.target_score), "champion_score": ok(m.champion_score),
+                               "higher_is_better": m.higher_is_better}, cycle.flow_run_id)
     evaluation_id = record_evaluation(cycle.ledger, record)
     numbers = {"target_solved": m.target_solved, "csqa_choice_churn": m.csqa_choice_churn}
     numbers |= {f"{k}_{d}": v for k in ("kl_vs_base", "kl_vs_champion") for d, v in getattr(m, k).items()}
+    numbers |= {f"released_score_{k}": r.score for k, r in m.released.items()}
     run_id = ensure_mlflow_run(cycle.ledger, cycle.platform.bridge, get_version(cycle.ledger, m.version_id).training_run_id)
     cycle.platform.bridge.log_metrics(run_id, {k: v for k, v in numbers.items() if ok(v) is not None}, m.step)
     return evaluation_id
 
 
+def eval_key(cycle: Cycle) -> str:
+    """Identity of what an evaluation measures: the config's subsets plus the released skills
+    (their scorers and contexts); a stored evaluation is reused only if it matches."""
+    from .config import digest
+
+    return digest([cycle.config.eval_key(), [s.to_dict() for s in cycle.released]])
+
+
 def stored_metrics(cycle: Cycle, version, champion_id: int):
     """The candidate's evaluation against this champion with these settings, if one is stored."""
-    from registry import latest_evaluation
-
-    from .ledger_ops import evaluation_extra
+    from registry import evaluation_extra, latest_evaluation
 
     ev = latest_evaluation(cycle.ledger, version.id)
     if ev is None or ev.release_version_id != champion_id:
         return None
     extra = evaluation_extra(cycle.ledger, ev.id)
-    if extra.get("eval_key") != cycle.config.eval_key():
+    if extra.get("eval_key") != eval_key(cycle):
         return None
     nan = {k: float(v) for k, v in extra.get("nonfinite", {}).items()}
     kl = lambda which, attr: {k.domain: nan.get(f"{which}[{k.domain}]", getattr(k, attr)) for k in ev.kl}  # noqa: E731
@@ -136,7 +188,9 @@ def stored_metrics(cycle: Cycle, version, champion_id: int):
     return CandidateMetrics(version.id, version.name, version.method, version.seed, version.epoch, version.step,
                             ev.target_solved, ev.target_total, extra.get("champion_solved"),
                             kl("kl_vs_base", "kl_vs_base"), kl("kl_vs_champion", "kl_vs_release"),
-                            fl("base"), fl("release"), ev.csqa_choice_churn, ev.id)
+                            fl("base"), fl("release"), ev.csqa_choice_churn,
+                            {k: Regression(**r) for k, r in extra.get("released", {}).items()}, ev.id,
+                            extra.get("target_score"), extra.get("champion_score"), extra.get("higher_is_better", True))
 
 
 @flow(name="evaluate_candidate", validate_parameters=False)
@@ -150,13 +204,16 @@ def evaluate_candidate(cycle: Cycle, version_id: int, champion: Applied, base: A
         return found
     applied = apply_version(cycle, version)
     mine, champ, base_ans = (all_answers(cycle, a, scorer) for a in (applied, champion, base))
-    watched = [k for k in mine if k != "target"]
+    watched = [k for k in mine if k in ("gsm8k", "csqa")]  # domains whose answers have churn / NFR
     choice = flips(champ["csqa"], mine["csqa"]).churn if "csqa" in mine else None
     m = CandidateMetrics(version.id, version.name, version.method, version.seed, version.epoch, version.step,
                          solved(mine), len(mine["target"]), solved(champ),
                          kl_against(cycle, applied, base), kl_against(cycle, applied, champion),
                          {k: flips(base_ans[k], mine[k]) for k in watched},
-                         {k: flips(champ[k], mine[k]) for k in watched}, choice)
+                         {k: flips(champ[k], mine[k]) for k in watched}, choice,
+                         released_regressions(cycle, champ, mine),
+                         target_score=score_of(scorer, mine["target"]), champion_score=score_of(scorer, champ["target"]),
+                         higher_is_better=scorer.higher_is_better)
     m.evaluation_id = record_candidate(cycle, m, champion.version.id)
     return m
 
@@ -165,14 +222,12 @@ def evaluate_candidate(cycle: Cycle, version_id: int, champion: Applied, base: A
 def record_base(cycle: Cycle, base: Applied, scorer) -> None:
     """The base model's own evaluation (KL 0 by definition), once per evaluation settings, so that
     comparisons and history show its target score next to the versions'."""
-    from registry import DomainKL, EvaluationRecord, latest_evaluation, record_evaluation
-
-    from .ledger_ops import evaluation_extra
+    from registry import DomainKL, EvaluationRecord, evaluation_extra, latest_evaluation, record_evaluation
 
     ev = latest_evaluation(cycle.ledger, base.version.id)
-    if ev is not None and evaluation_extra(cycle.ledger, ev.id).get("eval_key") == cycle.config.eval_key():
+    if ev is not None and evaluation_extra(cycle.ledger, ev.id).get("eval_key") == eval_key(cycle):
         return
     answers = all_answers(cycle, base, scorer)
     record_evaluation(cycle.ledger, EvaluationRecord(
-        base.version.id, solved(answers), len(answers["target"]), [DomainKL(d, 0.0) for d in cycle.config.retained.domains],
-        extra={"eval_key": cycle.config.eval_key()}, flow_run_id=cycle.flow_run_id))
+        base.version.id, solved(answers), len(answers["target"]), [DomainKL(d, 0.0) for d in cycle.members],
+        extra={"eval_key": eval_key(cycle)}, flow_run_id=cycle.flow_run_id))

@@ -7,12 +7,12 @@ Every check carries its threshold and measured value so the ledger can show exac
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from registry import GateCheckRecord
 
-from .policy import ReleasePolicy
+from .policy import RELEASED, ReleasePolicy
 
 KL_TOLERANCE = 1e-6  # KL is >= 0 in exact arithmetic; fp32 rounding can dip a hair below
 
@@ -29,6 +29,26 @@ class Flips:
     @property
     def churn(self) -> float:
         return (self.F + self.G + self.W) / self.n if self.n else math.nan
+
+
+@dataclass(frozen=True)
+class Regression:
+    """A released skill's score, candidate against champion, problem by problem (spec: no-regression).
+
+    `mean_drop` / `sd_drop` are the mean and standard deviation over the n shared problems of
+    (champion's value - candidate's value), value = 1 for a solved problem: > 0 means worse."""
+
+    n: int
+    champion_score: Optional[float]
+    score: Optional[float]
+    mean_drop: Optional[float]
+    sd_drop: Optional[float]
+
+    def upper(self, confidence: float) -> float:
+        """One-sided upper confidence bound of the mean drop (normal approximation)."""
+        from statistics import NormalDist
+
+        return self.mean_drop + NormalDist().inv_cdf(confidence) * self.sd_drop / math.sqrt(self.n)
 
 
 @dataclass
@@ -49,7 +69,12 @@ class CandidateMetrics:
     flips_vs_base: dict[str, Flips] = field(default_factory=dict)
     flips_vs_champion: dict[str, Flips] = field(default_factory=dict)
     csqa_choice_churn: Optional[float] = None
+    released: dict[str, Regression] = field(default_factory=dict)  # released skill -> its score vs the champion
     evaluation_id: Optional[int] = None
+    # The scorer's own aggregate (solved count, or e.g. reference-nll's mean NLL) and direction.
+    target_score: Optional[float] = None
+    champion_score: Optional[float] = None
+    higher_is_better: bool = True
 
     def mean_kl(self, which: str) -> float:
         values = list(getattr(self, which).values())
@@ -75,24 +100,61 @@ def _upper_check(name: str, threshold: float, measured, low: float, high: float 
 
 
 def target_check(c: CandidateMetrics, policy: ReleasePolicy) -> GateCheckRecord:
+    """The taught skill's gain over the champion, in the scorer's units (solved problems, or nats
+    for reference-nll, where a drop is a gain)."""
     name, need = "target_gain_vs_champion", float(policy.min_target_gain)
-    if c.target_solved is None or c.champion_solved is None:
+    if c.target_score is None and c.target_solved is not None:  # evaluations stored before scores were recorded
+        c = replace(c, target_score=float(c.target_solved),
+                    champion_score=None if c.champion_solved is None else float(c.champion_solved))
+    if c.target_score is None or c.champion_score is None:
         return GateCheckRecord(name, need, None, False, "missing: target score of candidate or champion not measured")
-    if not (0 <= c.target_solved <= c.target_total and 0 <= c.champion_solved <= c.target_total):
-        return GateCheckRecord(name, need, float(c.target_solved - c.champion_solved), False,
-                               f"out of range: solved {c.target_solved} / champion {c.champion_solved} of {c.target_total}")
-    gain = c.target_solved - c.champion_solved
+    if not (math.isfinite(c.target_score) and math.isfinite(c.champion_score)):
+        return GateCheckRecord(name, need, math.nan, False, "not finite: target score of candidate or champion")
+    if c.target_solved is not None and not (0 <= c.target_solved <= c.target_total):
+        return GateCheckRecord(name, need, float(c.target_score - c.champion_score), False,
+                               f"out of range: solved {c.target_solved} of {c.target_total}")
+    gain = (c.target_score - c.champion_score) * (1 if c.higher_is_better else -1)
+    unit = "" if c.higher_is_better else " (lower is better)"
     return GateCheckRecord(name, need, float(gain), gain >= need,
-                           f"solved {c.target_solved}/{c.target_total} vs champion {c.champion_solved}/{c.target_total}")
+                           f"score {c.target_score:g} vs champion {c.champion_score:g}{unit}; "
+                           f"solved {c.target_solved}/{c.target_total}")
 
 
 def kl_checks(c: CandidateMetrics, policy: ReleasePolicy) -> list[GateCheckRecord]:
+    """Retained KL on every configured domain (vs champion and vs base) and on every released
+    skill (vs champion only: a released skill moved away from the base by design)."""
     out = []
     for which, limits in (("kl_vs_champion", policy.max_kl_vs_champion), ("kl_vs_base", policy.max_kl_vs_base)):
         for domain, limit in sorted(limits.items()):
+            if domain == RELEASED:
+                continue
             value = getattr(c, which).get(domain)
             check = _upper_check(f"{which}[{domain}]", limit, value, -KL_TOLERANCE, detail="nats/token")
             out.append(check)
+    for skill in sorted(c.released):
+        limit = policy.max_kl_vs_champion.get(skill, policy.max_kl_vs_champion.get(RELEASED, math.nan))
+        out.append(_upper_check(f"kl_vs_champion[{skill}]", limit, c.kl_vs_champion.get(skill), -KL_TOLERANCE,
+                                detail="nats/token (released skill)"))
+    return out
+
+
+def no_regression_checks(c: CandidateMetrics, policy: ReleasePolicy) -> list[GateCheckRecord]:
+    """Every released skill keeps its target score: the one-sided upper bound of the mean
+    per-problem drop against the champion must not exceed the skill's tolerance."""
+    out = []
+    for skill, r in sorted(c.released.items()):
+        limits = policy.no_regression.get(skill, policy.no_regression.get(RELEASED))
+        name = f"no_regression[{skill}]"
+        if limits is None:
+            out.append(GateCheckRecord(name, math.nan, None, False, "missing: the policy sets no tolerance for it"))
+            continue
+        if r.n <= 0 or r.mean_drop is None or r.sd_drop is None:
+            out.append(GateCheckRecord(name, limits.tolerance, None, False, "missing: no shared problems scored"))
+            continue
+        upper = r.upper(limits.confidence)
+        out.append(_upper_check(name, limits.tolerance, upper, -math.inf, math.inf,
+                                f"{limits.confidence:.0%} upper bound of the mean drop per problem; score "
+                                f"{r.score:g} vs champion {r.champion_score:g} on {r.n} problems"))
     return out
 
 
@@ -133,8 +195,8 @@ def finite_check(c: CandidateMetrics) -> GateCheckRecord:
 
 
 def run_checks(c: CandidateMetrics, policy: ReleasePolicy) -> list[GateCheckRecord]:
-    return [target_check(c, policy), *kl_checks(c, policy), *nfr_checks(c, policy), *churn_check(c, policy),
-            finite_check(c)]
+    return [target_check(c, policy), *kl_checks(c, policy), *no_regression_checks(c, policy), *nfr_checks(c, policy),
+            *churn_check(c, policy), finite_check(c)]
 
 
 def passed(checks: list[GateCheckRecord]) -> bool:

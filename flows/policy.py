@@ -19,6 +19,7 @@ from .config import digest, resolve
 from atlas_core.typed_config import ConfigError, build, field, load_yaml
 
 BOUNDS = ("wilson", "clopper-pearson")
+RELEASED = "released"  # key of the thresholds that apply to every released skill not named itself
 SELECTION = ("lowest-kl-vs-champion", "lowest-kl-vs-base")
 
 
@@ -59,15 +60,34 @@ class NfrLimits:
 
 
 @dataclass
+class NoRegression:
+    tolerance: float = field("Largest allowed one-sided upper bound of the mean per-problem drop of the skill's score "
+                             "against the champion, in the scorer's per-problem units (solved-problem scorers: a share "
+                             "of problems; reference-nll: nats/token).", 0.1)
+    confidence: float = field("Confidence level of the one-sided bound.", 0.95)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
+            raise ConfigError(f"tolerance: expected a finite number >= 0, got {self.tolerance!r}")
+        if not 0.5 <= self.confidence < 1:
+            raise ConfigError(f"confidence: expected a value in [0.5, 1), got {self.confidence!r}")
+
+
+@dataclass
 class ReleasePolicy:
     name: str = field("Policy name, recorded with every gate decision (with a hash of the whole policy).", "default")
     candidates: Candidates = field("What the cycle trains (method x seed).", factory=Candidates)
-    min_target_gain: int = field("Solved target problems a candidate must add over the champion (0: no regression).", 1)
-    max_kl_vs_champion: dict[str, float] = field("Per domain: largest retained KL (nats/token) against the champion.",
+    min_target_gain: float = field("Gain over the champion a candidate must reach on the taught skill, in its scorer's "
+                                   "units: solved problems (0: no regression), or nats/token of reference-nll.", 1)
+    max_kl_vs_champion: dict[str, float] = field("Per domain: largest retained KL (nats/token) against the champion; "
+                                                 f"key {RELEASED!r}: for every released skill not listed by name.",
                                                  factory=dict)
     max_kl_vs_base: dict[str, float] = field("Per domain: largest retained KL (nats/token) against the base model.",
                                              factory=dict)
     nfr: NfrLimits = field("Negative-flip-rate limits (upper confidence bounds).", factory=NfrLimits)
+    no_regression: dict[str, NoRegression] = field(f"Per released skill (or {RELEASED!r} for all not named): how far its "
+                                                   "target score may drop against the champion.",
+                                                   factory=lambda: {RELEASED: NoRegression()})
     max_csqa_choice_churn: float | None = field("Largest share of CSQA questions whose chosen option changed against the "
                                                 "champion (null: not checked; only when csqa is watched).", None)
     selection: str = field(f"Among passing checkpoints, pick by {SELECTION} (mean over domains).", "lowest-kl-vs-champion")
@@ -91,6 +111,13 @@ class ReleasePolicy:
             missing = [d for d in domains if d not in limits]
             if missing:
                 raise ConfigError(f"{name}: no threshold for watched domain(s) {missing}; set one for each of {domains}")
+
+    def require_released(self, skills: list[str]) -> None:
+        """Every released skill needs a KL limit against the champion and a no-regression tolerance."""
+        for name, limits in (("max_kl_vs_champion", self.max_kl_vs_champion), ("no_regression", self.no_regression)):
+            missing = [s for s in skills if s not in limits and RELEASED not in limits]
+            if missing:
+                raise ConfigError(f"{name}: no threshold for released skill(s) {missing}; name them or set {RELEASED!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,9 +1,11 @@
 """refresh_atlas: reuse the stored atlas with the same content hash, or extract, fit, store, record.
 
-The content hash covers everything the atlas is a function of: backbone id and revision,
-layer, the retained data files (sha256) and how many examples of each, and the atlas
-config. Any change gives a new hash and a new fit; otherwise the stored file is fetched
-(sha256-verified) and loaded.
+The atlas describes the *champion's* layer-l activations on the retained set R (configured
+domains + released skills, calibration rows only). Its content hash covers everything it is
+a function of: backbone id and revision, dtype, layer, the champion's chain (its deltas'
+sha256), each member's data (sha256) and how many examples of each, and the atlas config.
+A new champion or a newly released skill therefore refits; otherwise the stored file is
+fetched (sha256-verified) and loaded.
 """
 from __future__ import annotations
 
@@ -14,21 +16,26 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from .components import retained_data_files
 from .config import digest
 from .cycle import Cycle, fetch_verified
 
 
 def atlas_plan(cycle: Cycle, variant: str) -> dict:
     """What the atlas is a function of (hashed into its content hash)."""
-    from evaluation.datafiles import known
+    from .retained import calibration_rows, member_data, share_examples
 
-    spec, domains = cycle.config.atlas, cycle.config.retained.domains
-    per_domain = math.ceil(math.ceil(spec.num_vectors / spec.per_example) / len(domains))
-    files = retained_data_files(domains)
+    spec, members = cycle.config.atlas, cycle.members
+    examples = share_examples(math.ceil(spec.num_vectors / spec.per_example), {m: calibration_rows(cycle, m) for m in members})
     return {"backbone": cycle.backbone.name, "revision": cycle.backbone.revision, "dtype": cycle.backbone.dtype,
             "layer": cycle.layer, "variant": variant, "config": asdict(spec),
-            "data": {d: {"file": files[d], "sha256": known(files[d]).sha256, "examples": per_domain} for d in domains}}
+            "champion_chain": [v.adapter_sha256 for v in champion_chain(cycle)],
+            "data": {m: member_data(cycle, m) | {"examples": examples[m]} for m in members}}
+
+
+def champion_chain(cycle: Cycle) -> list:
+    from registry import version_chain
+
+    return [] if cycle.champion.version.is_base else version_chain(cycle.ledger, cycle.champion.version.id)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
@@ -46,15 +53,17 @@ def find_stored_atlas(cycle: Cycle, content_hash: str):
 
 @task(cache_policy=NO_CACHE)
 def extract_calibration(cycle: Cycle, plan: dict):
-    """Layer-l activations of the retained contexts (only layers 0..l run)."""
+    """The champion's layer-l activations on the calibration rows of R (only layers 0..l run)."""
     from atlas_core.extract import sample_activations
-    from evaluation.contexts import retained_contexts
+
+    from .retained import calibration_texts
 
     bb, spec = cycle.backbone, cycle.config.atlas
     texts = []
-    for domain, info in plan["data"].items():
-        texts += retained_contexts(bb.tokenizer, domain, limit=info["examples"])[1]
-    return sample_activations(bb.model, bb.tokenizer, texts, cycle.layer, spec.num_vectors, spec.per_example, spec.seed)
+    for member, info in plan["data"].items():
+        texts += calibration_texts(cycle, member, info["examples"])
+    with cycle.champion.on_model(bb.model):
+        return sample_activations(bb.model, bb.tokenizer, texts, cycle.layer, spec.num_vectors, spec.per_example, spec.seed)
 
 
 @task(cache_policy=NO_CACHE)
@@ -78,7 +87,8 @@ def store_and_record(cycle: Cycle, path: Path, plan: dict, content_hash: str):
 
     store = cycle.platform.store
     artifact, manifest = store.put_file(path), store.put_file(path.with_suffix(".json"))
-    datasets = [ensure_dataset(cycle.ledger, d, info["file"], info["sha256"]) for d, info in plan["data"].items()]
+    datasets = [ensure_dataset(cycle.ledger, info.get("dataset", m), "calibration", info.get("sha256", info.get("calibration")))
+                for m, info in plan["data"].items()]
     info = record_atlas(cycle.ledger, content_hash, cycle.backbone_id, cycle.layer,
                         {**plan, "manifest_sha256": manifest.sha256}, artifact, datasets)
     return info.id, Atlas.load(path), path

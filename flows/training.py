@@ -1,6 +1,11 @@
 """train_skill: train every (method, seed) the policy lists; checkpoints are recorded as they appear.
 
-Each training run has a content key (backbone, layer, method config, atlas, data). A rerun
+Every candidate trains one delta on the skill's snapshot with the champion's whole chain
+attached and frozen (atlas_core.chain): the prefix cache then holds the champion's layer-l
+states, and the new version's parent is the champion.
+
+Each training run has a content key (backbone, layer, method config, atlas, data snapshot,
+parent chain). A rerun
 with the same key finds the same ledger row and the same run folder: a finished run is not
 trained again, an interrupted one resumes from its newest complete checkpoint
 (atlas_core.train), and recording a checkpoint twice is a no-op, so a crash anywhere
@@ -14,8 +19,8 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from .components import skill_set
 from .config import digest, resolve
+from .skills import skill_set
 from .cycle import Cycle
 
 
@@ -39,24 +44,28 @@ def run_config_for(cycle: Cycle, method: str, seed: int):
 
 def run_key(cycle: Cycle, method: str, run_config, variant, skill) -> str:
     config = run_config.to_dict() | {"atlas": cycle.atlas_ids[variant][1].sha256 if variant else None}
-    return digest({"backbone": cycle.backbone.name, "revision": cycle.backbone.revision, "dtype": cycle.backbone.dtype,
-                   "method": method, "config": config, "data": [skill.dataset_name, skill.sha256, cycle.config.data.train_limit,
-                                              cycle.config.data.val_limit, cycle.config.retained.replay_examples]})
+    key = {"backbone": cycle.backbone.name, "revision": cycle.backbone.revision, "dtype": cycle.backbone.dtype,
+           "method": method, "config": config, "data": [skill.dataset_name, skill.sha256, cycle.config.data.train_limit,
+                                                         cycle.config.data.val_limit, cycle.config.retained.replay_examples]}
+    if not cycle.champion.version.is_base:  # keys of runs on the bare backbone stay as they were before chains
+        key["parent"] = [cycle.champion.version.id, cycle.champion.version.adapter_sha256]
+    return digest(key)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def open_training_run(cycle: Cycle, method: str, seed: int, run_config, variant, key: str, dataset_id: int):
+def open_training_run(cycle: Cycle, method: str, seed: int, run_config, variant, key: str, dataset_id: int,
+                      skill_sha256: str):
     """(training run id, status): the run with this key, or a new one."""
-    from registry import ensure_mlflow_run, start_training_run
+    from registry import ensure_mlflow_run, find_training_run, start_training_run
 
-    from .ledger_ops import find_training_run
-
-    found = find_training_run(cycle.ledger, cycle.backbone_id, cycle.config.skill, method, seed, key)
+    found = find_training_run(cycle.ledger, cycle.backbone_id, cycle.skill.name, method, seed, key, model_id=cycle.model.id)
     if found is None:
-        config = {"run_key": key, "run_config": run_config.to_dict() | {"atlas": None}}
+        config = {"run_key": key, "run_config": run_config.to_dict() | {"atlas": None}, "skill": cycle.skill.to_dict(),
+                  "skill_sha256": skill_sha256}
         atlas_id = cycle.atlas_ids[variant][0] if variant else None
-        found = (start_training_run(cycle.ledger, cycle.backbone_id, cycle.config.skill, method, seed, config,
-                                    atlas_id=atlas_id, dataset_id=dataset_id, flow_run_id=cycle.flow_run_id), "running")
+        found = (start_training_run(cycle.ledger, cycle.backbone_id, cycle.skill.name, method, seed, config,
+                                    atlas_id=atlas_id, dataset_id=dataset_id, flow_run_id=cycle.flow_run_id,
+                                    model_id=cycle.model.id, parent_version_id=cycle.champion.version.id), "running")
     ensure_mlflow_run(cycle.ledger, cycle.platform.bridge, found[0])
     return found
 
@@ -64,9 +73,7 @@ def open_training_run(cycle: Cycle, method: str, seed: int, run_config, variant,
 def record_checkpoint_files(cycle: Cycle, training_run_id: int, path: Path) -> int:
     """Store a checkpoint's adapter (+ manifest), record and log it, register it if it is a candidate."""
     from atlas_core.train import read_state
-    from registry import log_checkpoint, record_checkpoint, register_version
-
-    from .ledger_ops import run_checkpoints
+    from registry import log_checkpoint, record_checkpoint, register_version, run_checkpoints
 
     state, store = read_state(path), cycle.platform.store
     adapter, manifest = store.put_file(path / "adapter.safetensors"), store.put_file(path / "adapter.json")
@@ -93,22 +100,21 @@ def train_run(cycle: Cycle, training_run_id: int, run_config, variant, skill, ru
                 if tc.objective.uses_retained else None)
     data = prepare_data(bb.tokenizer, skill.train, tc, val=skill.val or None, retained=retained)
     atlas = cycle.atlas_ids[variant][1] if variant else None
-    adapter = build_adapter(run_config, bb.model, atlas)
-    try:
-        summary = train(bb.model, adapter, data, tc, run_dir, resume=True,
-                        on_checkpoint=lambda path, _: record_checkpoint_files(cycle, training_run_id, path))
-    finally:
-        if hasattr(adapter, "remove"):  # Weight-LoRA lives inside the model; take it out again
-            adapter.remove()
+    with cycle.champion.on_model(bb.model):  # the parent's chain, frozen: the new delta learns on top of it
+        adapter = build_adapter(run_config, bb.model, atlas)
+        try:
+            summary = train(bb.model, adapter, data, tc, run_dir, resume=True,
+                            on_checkpoint=lambda path, _: record_checkpoint_files(cycle, training_run_id, path))
+        finally:
+            if hasattr(adapter, "remove"):  # Weight-LoRA lives inside the model; take it out again
+                adapter.remove()
     return summary.checkpoints
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
 def reconcile_checkpoints(cycle: Cycle, training_run_id: int, checkpoints: list[str]) -> list[int]:
     """Record any checkpoint a crash left unrecorded; return the run's candidate version ids."""
-    from registry import finish_training_run, register_version
-
-    from .ledger_ops import run_checkpoints
+    from registry import finish_training_run, register_version, run_checkpoints
 
     for path in checkpoints:
         if Path(path).is_dir():
@@ -122,25 +128,33 @@ def reconcile_checkpoints(cycle: Cycle, training_run_id: int, checkpoints: list[
     return [register_version(cycle.ledger, cid).id for cid in eligible]
 
 
-@flow(name="train_skill", validate_parameters=False)
-def train_skill(cycle: Cycle) -> list[int]:
-    """Train the candidates the policy lists (method x seed); returns their candidate version ids."""
-    from registry import ensure_dataset
-
-    log = get_run_logger()
-    skill = skill_set(cycle.config)
-    dataset_id = ensure_dataset(cycle.ledger, skill.dataset_name, skill.split, skill.sha256)
-    versions: list[int] = []
+def planned_runs(cycle: Cycle, skill) -> list[tuple[str, int, object, object, str]]:
+    """(method, seed, run config, atlas variant, run key) of every candidate the policy lists."""
+    out = []
     for method in cycle.policy.candidates.methods:
         for seed in cycle.policy.candidates.seeds:
             run_config, variant = run_config_for(cycle, method, seed)
-            key = run_key(cycle, method, run_config, variant, skill)
-            run_id, status = open_training_run(cycle, method, seed, run_config, variant, key, dataset_id)
-            run_dir = cycle.platform.state / "runs" / cycle.config.skill / f"{method}-s{seed}-{key[:12]}"
-            if status == "finished":
-                log.info(f"{method} seed {seed}: training run {run_id} already finished; reusing its checkpoints")
-                checkpoints = []
-            else:
-                checkpoints = train_run(cycle, run_id, run_config, variant, skill, run_dir)
-            versions += reconcile_checkpoints(cycle, run_id, checkpoints)
-    return versions
+            out.append((method, seed, run_config, variant, run_key(cycle, method, run_config, variant, skill)))
+    return out
+
+
+@flow(name="train_skill", validate_parameters=False)
+def train_skill(cycle: Cycle) -> list[int]:
+    """Train the candidates the policy lists (method x seed) on top of the champion; returns the
+    ids of their active candidate versions (retired ones are never candidates again)."""
+    from registry import ensure_dataset, get_version
+
+    log = get_run_logger()
+    skill = skill_set(cycle.skill)
+    dataset_id = ensure_dataset(cycle.ledger, skill.dataset_name, skill.split, skill.sha256)
+    versions: list[int] = []
+    for method, seed, run_config, variant, key in planned_runs(cycle, skill):
+        run_id, status = open_training_run(cycle, method, seed, run_config, variant, key, dataset_id, skill.sha256)
+        run_dir = cycle.platform.state / "runs" / cycle.skill.name / f"{method}-s{seed}-{key[:12]}"
+        if status == "finished":
+            log.info(f"{method} seed {seed}: training run {run_id} already finished; reusing its checkpoints")
+            checkpoints = []
+        else:
+            checkpoints = train_run(cycle, run_id, run_config, variant, skill, run_dir)
+        versions += reconcile_checkpoints(cycle, run_id, checkpoints)
+    return [v for v in versions if get_version(cycle.ledger, v).status == "active"]

@@ -13,22 +13,28 @@ Artifacts       ArtifactStore(root).put_file(path) / put_bytes(data) -> StoredAr
 Lineage         ensure_backbone(ledger, name, revision) -> id; ensure_dataset(ledger, name, split, sha256) -> id;
                 find_atlas(ledger, content_hash); record_atlas(ledger, content_hash, backbone_id, layer, config,
                 artifact, dataset_ids) -> AtlasInfo; start_training_run(ledger, backbone_id, skill, method, seed,
-                config, atlas_id=, dataset_id=, flow_run_id=) -> id; finish_training_run(ledger, id, status);
-                record_checkpoint(ledger, run_id, epoch, step, adapter, metrics) -> CheckpointInfo;
-                last_checkpoint(ledger, run_id); ensure_model(ledger, backbone_id, skill) -> ModelInfo;
-                get_model(ledger, id_or_name); register_version(ledger, checkpoint_id) -> VersionInfo;
-                base_version(ledger, model_id) -> VersionInfo; get_version; list_versions
-Results         record_evaluation(ledger, EvaluationRecord) -> id; latest_evaluation(ledger, version_id);
-                record_answers(ledger, version_id, [AnswerRecord]) -> n; get_answers(ledger, version_id);
-                record_gate_decision(ledger, version_id, policy_name, policy, [GateCheckRecord],
-                evaluation_id=, release_version_id=, flow_run_id=) -> GateDecisionInfo; latest_gate_decision
+                config, atlas_id=, dataset_id=, flow_run_id=, *, model_id=, parent_version_id=) -> id;
+                finish_training_run(ledger, id, status); record_checkpoint(ledger, run_id, epoch, step, adapter,
+                metrics) -> CheckpointInfo; last_checkpoint(ledger, run_id)
+Lines           ensure_model(ledger, backbone_id, line) -> ModelInfo; get_model(ledger, id_or_name);
+                model_name_for(backbone, line); register_version(ledger, checkpoint_id) -> VersionInfo;
+                base_version(ledger, model_id) -> VersionInfo; get_version(ledger, id);
+                list_versions(ledger, model_id, include_retired=True); version_chain(ledger, version_id) -> [VersionInfo]
+                (the deltas from the first after the base to this one); ModelInfo.line; VersionInfo.line,
+                .skill (what its delta taught; None for the base), .parent_id, .status ("active" | "retired")
+Queries         find_training_run(ledger, backbone_id, skill, method, seed, run_key, *, model_id=) -> (id, status);
+                run_checkpoints(ledger, run_id) -> [(id, epoch, step, metrics)]; evaluation_extra(ledger, id) -> dict;
+                recent_decisions(ledger, model_id, limit); recent_training_runs(ledger, backbone_id, skill, limit,
+                *, model_id=) -> [dict]; atlas_files(ledger, atlas_id) -> (artifact sha256, manifest sha256)
 MLflow          MlflowConfig.local(state_dir) / .server(url, artifact_root); MlflowBridge(config);
                 ensure_mlflow_run(ledger, bridge, training_run_id) -> run_id; log_checkpoint(ledger, bridge,
                 checkpoint_id); publish_version(ledger, store, bridge, version_id) -> mlflow version;
                 sync_version_tags(ledger, bridge, version_id)
 Releases        promote(ledger, bridge, version_id, alias="champion", reason=, flow_run_id=,
                 expected_current=FROM_GATE, require_gate=True) -> ReleaseInfo; mark_candidate(...);
-                rollback(ledger, bridge, model_id, reason) -> ReleaseInfo; repair(ledger, bridge) -> changes;
+                rollback(ledger, bridge, model_id, reason) -> ReleaseInfo (to the previous holder, else the base;
+                retires the rolled-back version); renominate(ledger, version_id, reason) -> ReleaseInfo;
+                repair(ledger, bridge) -> changes;
                 alias_holder(ledger, model_id, alias); list_releases(ledger, model_id);
                 errors: PromotionError > PromotionConflict, GateNotPassed, RollbackError
 Comparison      resolve_version(ledger, model_id_or_name, "base" | "champion" | name | "mlflow:<n>" | "#<id>");
@@ -52,22 +58,25 @@ from registry.compare import (
 )
 from registry.db import Ledger, LedgerError, default_ledger_url, downgrade, init_db, upgrade
 from registry.lineage import (
-    base_version,
     ensure_backbone,
     ensure_dataset,
-    ensure_model,
     find_atlas,
     finish_training_run,
-    get_model,
-    get_version,
     last_checkpoint,
     link_mlflow_run,
-    list_versions,
-    model_name_for,
     record_atlas,
     record_checkpoint,
-    register_version,
     start_training_run,
+)
+from registry.lines import (
+    base_version,
+    ensure_model,
+    get_model,
+    get_version,
+    list_versions,
+    model_name_for,
+    register_version,
+    version_chain,
 )
 from registry.mlflow_bridge import MANAGED_ALIASES, MlflowBridge, MlflowConfig
 from registry.promotion import (
@@ -81,10 +90,21 @@ from registry.promotion import (
     list_releases,
     mark_candidate,
     promote,
+    renominate,
     repair,
     rollback,
 )
 from registry.publish import ensure_mlflow_run, log_checkpoint, publish_version, sync_version_tags, version_tags
+from registry.queries import (
+    atlas_files,
+    evaluation_extra,
+    find_training_run,
+    recent_decisions,
+    recent_training_runs,
+    run_checkpoints,
+    run_versions,
+    training_run_config,
+)
 from registry.records import (
     AnswerRecord,
     AtlasInfo,

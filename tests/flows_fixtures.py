@@ -18,7 +18,7 @@ import yaml
 TINY_CONFIG = {
     "name": "tiny", "backbone": "tiny-llama", "dtype": "float32", "skill": "tiny-code", "layer": 2,
     "data": {"source": "mbpp", "train_limit": 8, "val_limit": 4},
-    "target": {"scorer": "response-match", "limit": 4, "threshold": 0.5},
+    "target": {"scorer": "response-match", "options": {"limit": 4, "threshold": 0.5}},
     "retained": {"domains": ["gsm8k", "csqa"], "kl_contexts": 8, "kl_max_tokens": 128, "gsm8k_questions": 4,
                  "csqa_questions": 6, "max_new_tokens": 4, "batch_size": 4, "replay_examples": 8},
     "atlas": {"num_vectors": 64, "charts": 4, "rank": 4},

@@ -1,0 +1,60 @@
+"""What a line's history says about the cycle at hand: released skills and idleness.
+
+Both read the ledger through registry's public functions only:
+- `chain_skill_specs`: the skill specs stored on the training runs of the champion's chain
+  (what each release taught, so later cycles keep it);
+- `idle_reason`: why this cycle has nothing new to do, or None. A cycle is idle when the
+  snapshot it would teach is already taught by the champion's chain, or when every
+  candidate it would train already exists, finished, and was gated against this champion
+  with this policy and these evaluation settings (a rerun); rolled-back (retired) versions
+  count as decided: no cycle promotes them again unless a person re-nominates them.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .cycle import Cycle
+
+
+def chain_specs(cycle: Cycle) -> list[tuple[object, dict]]:
+    """(version, its training run's stored config) for every delta of the champion's chain."""
+    from registry import training_run_config, version_chain
+
+    if cycle.champion.version.is_base:
+        return []
+    return [(v, training_run_config(cycle.ledger, v.training_run_id)) for v in version_chain(cycle.ledger, cycle.champion.version.id)]
+
+
+def chain_skill_specs(cycle: Cycle) -> list[dict]:
+    """Stored skill specs of the chain, oldest first (runs recorded before lines kept none)."""
+    return [config["skill"] for _, config in chain_specs(cycle) if "skill" in config]
+
+
+def taught_by_chain(cycle: Cycle, skill_sha256: str) -> Optional[str]:
+    """The chain version that already taught this skill spec on this snapshot, if any."""
+    for version, config in chain_specs(cycle):
+        if config.get("skill") == cycle.skill.to_dict() and config.get("skill_sha256") == skill_sha256:
+            return version.name
+    return None
+
+
+def already_gated(cycle: Cycle, run_keys: list[tuple[str, int, str]], eval_key: str) -> bool:
+    """Every (method, seed, run key) is a finished run whose candidate versions are all retired
+    or gated against the current champion with this policy and these evaluation settings."""
+    from registry import evaluation_extra, find_training_run, latest_gate_decision, run_versions
+
+    for method, seed, key in run_keys:
+        found = find_training_run(cycle.ledger, cycle.backbone_id, cycle.skill.name, method, seed, key,
+                                  model_id=cycle.model.id)
+        if found is None or found[1] != "finished":
+            return False
+        for version in run_versions(cycle.ledger, found[0]):
+            if version.status == "retired":
+                continue
+            decision = latest_gate_decision(cycle.ledger, version.id)
+            if (decision is None or decision.release_version_id != (None if cycle.champion.version.is_base
+                                                                    else cycle.champion.version.id)
+                    or decision.policy_name != cycle.policy.label or decision.evaluation_id is None
+                    or evaluation_extra(cycle.ledger, decision.evaluation_id).get("eval_key") != eval_key):
+                return False
+    return True

@@ -1,0 +1,98 @@
+"""Read-only views of the ledger that the flows and the CLI need: each is one transaction
+of plain selects, returning plain values (tuples, dicts), never ORM rows."""
+from __future__ import annotations
+
+from typing import Optional
+
+from sqlalchemy import select
+
+from registry.db import Ledger, LedgerError
+from registry.models import Atlas, Checkpoint, Evaluation, GateDecision, ModelVersion, TrainingRun
+
+
+def find_training_run(ledger: Ledger, backbone_id: int, skill: str, method: str, seed: int, run_key: str, *,
+                      model_id: Optional[int] = None) -> Optional[tuple[int, str]]:
+    """(id, status) of the training run with this content key, so a rerun resumes it.
+
+    With `model_id`, only a run trained for that line counts.
+    """
+    with ledger.transaction() as s:
+        query = select(TrainingRun).where(TrainingRun.backbone_id == backbone_id, TrainingRun.skill == skill,
+                                          TrainingRun.method == method, TrainingRun.seed == seed)
+        if model_id is not None:
+            query = query.where(TrainingRun.registered_model_id == model_id)
+        for row in s.scalars(query.order_by(TrainingRun.id)):
+            if (row.config or {}).get("run_key") == run_key:
+                return row.id, row.status
+    return None
+
+
+def run_checkpoints(ledger: Ledger, training_run_id: int) -> list[tuple[int, int, int, dict]]:
+    """(checkpoint id, epoch, step, metrics) of a training run, oldest first."""
+    with ledger.transaction() as s:
+        rows = s.scalars(select(Checkpoint).where(Checkpoint.training_run_id == training_run_id)
+                         .order_by(Checkpoint.step))
+        return [(r.id, r.epoch, r.step, dict(r.metrics)) for r in rows]
+
+
+def evaluation_extra(ledger: Ledger, evaluation_id: int) -> dict:
+    """The free-form `extra` of an evaluation ({} when there is no such evaluation)."""
+    with ledger.transaction() as s:
+        row = s.get(Evaluation, evaluation_id)
+        return dict(row.extra) if row is not None else {}
+
+
+def recent_decisions(ledger: Ledger, model_id: int, limit: int = 10) -> list[tuple[int, str, bool, str, str]]:
+    """(decision id, version name, passed, policy, when) of a line's latest gate decisions."""
+    with ledger.transaction() as s:
+        rows = s.execute(select(GateDecision, ModelVersion.name).join(
+            ModelVersion, GateDecision.model_version_id == ModelVersion.id)
+            .where(ModelVersion.registered_model_id == model_id)
+            .order_by(GateDecision.id.desc()).limit(limit)).all()
+        return [(d.id, name, d.passed, d.policy_name, d.created_at.strftime("%Y-%m-%d %H:%M:%S")) for d, name in rows]
+
+
+def recent_training_runs(ledger: Ledger, backbone_id: int, skill: Optional[str], limit: int = 10, *,
+                         model_id: Optional[int] = None) -> list[dict]:
+    """The latest training runs on a backbone, newest first: of one skill, and/or (with
+    `model_id`) of one line; skill=None means every skill."""
+    with ledger.transaction() as s:
+        query = select(TrainingRun).where(TrainingRun.backbone_id == backbone_id)
+        if skill is not None:
+            query = query.where(TrainingRun.skill == skill)
+        if model_id is not None:
+            query = query.where(TrainingRun.registered_model_id == model_id)
+        rows = s.scalars(query.order_by(TrainingRun.id.desc()).limit(limit))
+        return [{"id": r.id, "skill": r.skill, "method": r.method, "seed": r.seed, "status": r.status,
+                 "flow_run_id": r.flow_run_id, "started": r.started_at.strftime("%Y-%m-%d %H:%M:%S")} for r in rows]
+
+
+def atlas_files(ledger: Ledger, atlas_id: int) -> tuple[str, str]:
+    """(artifact sha256, manifest sha256) of a recorded atlas, to load an older champion's atlas."""
+    with ledger.transaction() as s:
+        row = s.get(Atlas, atlas_id)
+        if row is None:
+            raise LedgerError(f"atlas id {atlas_id} does not exist in the ledger")
+        manifest = dict(row.config).get("manifest_sha256")
+        if manifest is None:
+            raise LedgerError(f"atlas id {atlas_id}: its config has no manifest_sha256")
+        return row.artifact_sha256, manifest
+
+
+def training_run_config(ledger: Ledger, training_run_id: int) -> dict:
+    """The stored config of a training run (run key, run config, the skill spec it trained)."""
+    with ledger.transaction() as s:
+        row = s.get(TrainingRun, training_run_id)
+        if row is None:
+            raise LedgerError(f"training run id {training_run_id} does not exist in the ledger")
+        return dict(row.config or {})
+
+
+def run_versions(ledger: Ledger, training_run_id: int) -> list:
+    """The versions registered from a training run's checkpoints, oldest first."""
+    from registry.lines import version_info
+
+    with ledger.transaction() as s:
+        rows = s.scalars(select(ModelVersion).join(Checkpoint, ModelVersion.checkpoint_id == Checkpoint.id)
+                         .where(Checkpoint.training_run_id == training_run_id).order_by(ModelVersion.id))
+        return [version_info(s, row) for row in rows]
