@@ -110,25 +110,52 @@ def test_three_releases_build_a_chain_and_keep_released_skills(prefect_harness, 
     assert ledger_counts(state) == counts
 
 
+class LowNllIsWorse:
+    """A user scorer (`module:Factory` from YAML) that reads reference NLL the wrong way round:
+    any candidate that lowers the held-out NLL of A regresses it. Training B on top of A lowers
+    A's NLL on this random tiny model, so B's candidate must fail A's no-regression check."""
+
+    def __new__(cls, **options):
+        from evaluation.scorers import build_scorer
+
+        scorer = build_scorer("reference-nll", options)
+        scorer.name, scorer.higher_is_better = "tests.test_flows_continual:LowNllIsWorse", True
+        scorer.dataset = "low-nll-is-worse@" + scorer.dataset
+        return scorer
+
+
 def test_a_candidate_that_regresses_a_released_skill_is_rejected_for_it(prefect_harness, state, line_files):
+    import yaml
+
     from flows.update import update
     from registry import get_model, latest_gate_decision, resolve_version
 
-    assert update(line_files["a"], line_files["pass"])["outcome"] == "promoted"
-    # B trained hard with a plain residual moves A's held-out NLL; a zero tolerance rejects that.
+    a = yaml.safe_load(Path(line_files["a"]).read_text())
+    a["target"]["scorer"] = "tests.test_flows_continual:LowNllIsWorse"
+    a_user = write_yaml(line_files["cfg"] / "a-user.yaml", a)
+    first = update(a_user, line_files["pass"])
+    assert first["outcome"] == "rejected"  # A's own gain reads negative with this scorer: release it by hand
+    p = _open()
+    try:
+        from registry import promote
+
+        (name,) = first["candidates"]
+        v1 = resolve_version(p.ledger, get_model(p.ledger, first["model"]).id, name)
+        promote(p.ledger, p.bridge, v1.id, reason="released by hand", expected_current=None, require_gate=False)
+    finally:
+        p.close()
     strict = write_yaml(line_files["cfg"] / "strict.yaml",
-                        policy("tiny-strict", methods=("plain",), no_regression={"a": {"tolerance": 0.0}}))
-    hard = write_yaml(line_files["cfg"] / "b-hard.yaml", _changed(line_files["b"], train={"epochs": 3, "lr": 0.3,
-                                                                               "batch_size": 4, "max_length": 512}))
-    result = update(hard, strict)
+                        policy("tiny-strict", no_regression={"a": {"tolerance": 0.0}}))
+    result = update(line_files["b"], strict)
     assert result["outcome"] == "rejected"
     p = _open()
     try:
         model = get_model(p.ledger, result["model"])
-        (name,) = result["candidates"]
-        decision = latest_gate_decision(p.ledger, resolve_version(p.ledger, model.id, name).id)
-        failed = [c for c in decision.checks if not c.passed]
-        assert [c.name for c in failed] == ["no_regression[a]"] and failed[0].measured > 0
+        assert result["candidates"]
+        for name in result["candidates"]:
+            decision = latest_gate_decision(p.ledger, resolve_version(p.ledger, model.id, name).id)
+            failed = [c for c in decision.checks if not c.passed]
+            assert [c.name for c in failed] == ["no_regression[a]"] and failed[0].measured > 0
     finally:
         p.close()
 
@@ -153,9 +180,4 @@ def test_rollback_to_base_retires_the_release_and_the_next_cycle_is_idle(prefect
     assert again["outcome"] == "idle" and again["champion"].endswith("-base")
     assert ledger_counts(state) == counts  # no new versions, decisions or releases
 
-
-def _changed(path: str, **fields) -> dict:
-    import yaml
-
-    return yaml.safe_load(Path(path).read_text()) | fields
 
