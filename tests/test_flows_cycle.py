@@ -27,56 +27,58 @@ def _champion(p, model_name: str):
     return alias_holder(p.ledger, get_model(p.ledger, model_name).id)
 
 
-def test_passing_cycle_promotes_then_an_unmeetable_policy_rejects(prefect_harness, state, tmp_path):
+def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle_is_idle(prefect_harness, state,
+                                                                                          tmp_path):
     from prefect.client.orchestration import get_client
 
     from flows.update import update
     from registry import get_model, latest_gate_decision, list_versions
 
-    config, passing = tiny_files(tmp_path / "cfg", PASSING_POLICY)
-    first = update(config, passing)
-    assert first["promoted"] and first["champion"] == first["selected"] and all(first["candidates"].values())
-    report = Path(first["report"])
+    config, impossible = tiny_files(tmp_path / "cfg", IMPOSSIBLE_POLICY)
+    first = update(config, impossible)
+    assert first["outcome"] == "rejected" and not first["promoted"] and first["champion"].endswith("-base")
+    assert "REJECTED" in Path(first["report"]).read_text()
+    p = _platform()
+    try:
+        model = get_model(p.ledger, first["model"])
+        candidates = [v for v in list_versions(p.ledger, model.id) if not v.is_base]
+        assert len(candidates) == 4 and {v.name for v in candidates} == set(first["candidates"])
+        for version in candidates:
+            decision = latest_gate_decision(p.ledger, version.id)
+            failed = [c for c in decision.checks if not c.passed]
+            assert not decision.passed and [c.name for c in failed] == ["target_gain_vs_champion"]
+            assert failed[0].threshold == 1000 and decision.release_version_id is None
+    finally:
+        p.close()
+    counts = ledger_counts(state)
+
+    _, passing = tiny_files(tmp_path / "cfg", PASSING_POLICY)
+    second = update(config, passing)
+    assert second["outcome"] == "promoted" and second["champion"] == second["selected"]
+    assert all(second["candidates"].values()) and second["previous_champion"] == first["champion"]
+    report = Path(second["report"])
     assert report.is_file() and {"tradeoff.png", "churn.png", "gate.json"} <= {p.name for p in report.parent.iterdir()}
     text = report.read_text()
     assert "PROMOTED" in text and "nfr_upper_vs_champion[gsm8k]" in text and "Comparison with the champion" in text
     with get_client(sync_client=True) as client:
         assert client.read_artifacts()[0].key == "update-report"
-
     p = _platform()
     try:
-        champion = _champion(p, first["model"])
-        assert champion.name == first["selected"]
-        assert p.bridge.aliases(first["model"])["champion"] == champion.mlflow_version  # MLflow agrees with the ledger
-        model = get_model(p.ledger, first["model"])
-        candidates = [v for v in list_versions(p.ledger, model.id) if not v.is_base]
-        assert len(candidates) == 4 and all(latest_gate_decision(p.ledger, v.id).passed for v in candidates)
-    finally:
-        p.close()
-    counts = ledger_counts(state)
-
-    _, impossible = tiny_files(tmp_path / "cfg", IMPOSSIBLE_POLICY)
-    second = update(config, impossible)
-    assert not second["promoted"] and second["champion"] == first["champion"]
-    assert second["previous_champion"] == first["champion"] and first["champion"] not in second["candidates"]
-    assert "REJECTED" in Path(second["report"]).read_text()
-    p = _platform()
-    try:
-        assert _champion(p, first["model"]).name == first["champion"]  # unchanged
-        for name in second["candidates"]:
-            version = next(v for v in candidates if v.name == name)
-            decision = latest_gate_decision(p.ledger, version.id)
-            failed = [c for c in decision.checks if not c.passed]
-            assert not decision.passed and [c.name for c in failed] == ["target_gain_vs_champion"]
-            assert failed[0].threshold == 1000 and decision.release_version_id == champion.id
+        champion = _champion(p, second["model"])
+        assert champion.name == second["selected"]
+        assert p.bridge.aliases(second["model"])["champion"] == champion.mlflow_version  # MLflow agrees with the ledger
     finally:
         p.close()
     after = ledger_counts(state)
-    # The second cycle reused the atlas, the training runs and their checkpoints, and the answers
-    # of every version; it added evaluations against the new champion and gate decisions only.
-    for table in ("atlases", "training_runs", "checkpoints", "versions", "releases"):
+    # The second cycle reused the atlas, the training runs, their checkpoints and every evaluation
+    # (same champion: the base); it added one gate decision per candidate and the release.
+    for table in ("atlases", "training_runs", "checkpoints", "versions", "evaluations"):
         assert after[table] == counts[table], table
-    assert after["gate_decisions"] == counts["gate_decisions"] + 3
+    assert after["gate_decisions"] == counts["gate_decisions"] + 4 and after["releases"] == counts["releases"] + 1
+
+    third = update(config, passing)  # the snapshot is now in the champion's chain: nothing new to teach
+    assert third["outcome"] == "idle" and third["champion"] == second["champion"]
+    assert ledger_counts(state) == after
 
 
 def test_nan_metric_rejects_and_a_failing_task_is_retried(prefect_harness, state, tmp_path, monkeypatch):
@@ -150,7 +152,7 @@ def test_crashed_cycle_resumes_without_duplicates(prefect_harness, state, tmp_pa
         published = [v.mlflow_version for v in list_versions(p.ledger, model.id) if not v.is_base]
         mlflow_versions = p.bridge.client.search_model_versions(f"name = '{model.name}'")
         assert sorted(published, key=int) == sorted((str(v.version) for v in mlflow_versions), key=int)  # one each
-        runs = p.bridge.client.search_runs([p.bridge.experiment_id(model.backbone, model.skill)],
+        runs = p.bridge.client.search_runs([p.bridge.experiment_id(model.backbone, model.line)],
                                            "tags.`ledger.training_run_id` != ''")
         assert sorted(r.data.tags["ledger.training_run_id"] for r in runs) == ["1", "2"]  # one MLflow run per training run
     finally:

@@ -36,7 +36,7 @@ def test_shipped_policies_and_configs_validate():
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"min_target_gain": "one"}, "min_target_gain: expected an integer"),
+    ({"min_target_gain": "one"}, "min_target_gain: expected a number"),
     ({"max_kl_vs_base": {"gsm8k": -1.0, "csqa": 0.1}}, "max_kl_vs_base.gsm8k: expected a finite number >= 0"),
     ({"nfr": {"bound": "normal"}}, "nfr.bound: expected one of"),
     ({"nfr": {"max_vs_base": {"gsm8k": 1.5}}}, "nfr.max_vs_base.gsm8k: expected a rate in [0, 1]"),
