@@ -69,6 +69,29 @@ def extract_gsm8k_answer(completion: str) -> str | None:
     return _canonical(numbers[-1]) if numbers else None
 
 
+def normalize_text(text: str) -> str:
+    """Whitespace runs collapsed to one space, ends stripped, case folded: "  The  Cat\n" -> "the cat"."""
+    return " ".join(text.split()).casefold()
+
+
+# How a generated completion is graded against a reference answer (exact-match scorer, domain answers).
+CHECKERS = ("exact", "number")
+
+
+def grade_answer(checker: str, completion: str, reference: str) -> tuple[str | None, bool]:
+    """(the answer read from `completion`, whether it equals `reference`).
+
+    exact: whole completion vs reference, both through `normalize_text`;
+    number: the GSM8K-style final answer (`extract_gsm8k_answer`) vs the reference's number."""
+    if checker == "exact":
+        answer = normalize_text(completion)
+        return answer, answer == normalize_text(reference)
+    if checker == "number":
+        answer, gold = extract_gsm8k_answer(completion), normalize_number(reference)
+        return answer, answer is not None and answer == gold
+    raise ValueError(f"checker: expected one of {CHECKERS}, got {checker!r}")
+
+
 @dataclass(frozen=True)
 class Answer:
     id: str

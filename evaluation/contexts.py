@@ -1,17 +1,26 @@
 """Shared teacher-forced retained contexts: rendered prompt + reference answer.
 
-The same strings feed the atlas (calibration activations) and the retained-KL evaluation,
-so the atlas describes exactly the inputs whose outputs the gates watch.
+One rendering feeds both the atlas (calibration activations) and the retained-KL evaluation,
+so the atlas describes inputs of the kind whose outputs the gates watch; evaluation/domains.py
+picks disjoint rows for the two (evaluation split to gate, train split to calibrate).
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from .data import load_csqa, load_gsm8k
+from atlas_core.train import render_chat
+
+from .data import load_csqa, load_gsm8k, mbpp_pairs
 from .prompts import choice_message, math_message, render
 
-RETAINED_DOMAINS = ("gsm8k", "csqa")
+RETAINED_DOMAINS = ("gsm8k", "csqa")  # the default retained set of an update config ('mbpp' is also accepted here)
+
+
+def pair_context(tokenizer: Any, prompt: str, response: str) -> str:
+    """A (prompt, response) pair as one teacher-forced context, rendered as the trainer renders it."""
+    head, tail = render_chat(tokenizer, prompt, response)
+    return head + tail
 
 
 def retained_contexts(tokenizer: Any, domain: str, split: str | None = None, limit: int | None = None,
@@ -19,7 +28,8 @@ def retained_contexts(tokenizer: Any, domain: str, split: str | None = None, lim
     """(ids, contexts) of the first `limit` rows of a retained domain, in file order.
 
     gsm8k: math prompt + the reference solution (split 'test' by default);
-    csqa: choice prompt + the correct label (split 'validation' by default).
+    csqa: choice prompt + the correct label (split 'validation' by default);
+    mbpp: code prompt + the fenced reference code, as a skill pair (split 'test' by default).
     """
     if domain == "gsm8k":
         ds = load_gsm8k(split or "test", root)
@@ -29,6 +39,10 @@ def retained_contexts(tokenizer: Any, domain: str, split: str | None = None, lim
         ds = load_csqa(split or "validation", root)
         ds = ds.select(range(min(limit, len(ds)))) if limit else ds
         texts = [render(tokenizer, choice_message(s, t), "choice") + a for s, t, a in zip(ds["stem"], ds["texts"], ds["answer"])]
+    elif domain == "mbpp":
+        pairs = mbpp_pairs(split or "test", root)
+        pairs = pairs[:limit] if limit else pairs
+        return [p["id"] for p in pairs], [pair_context(tokenizer, p["prompt"], p["response"]) for p in pairs]
     else:
-        raise ValueError(f"domain: expected one of {RETAINED_DOMAINS}, got {domain!r}")
+        raise ValueError(f"domain: expected one of {RETAINED_DOMAINS + ('mbpp',)}, got {domain!r}")
     return list(ds["id"]), texts

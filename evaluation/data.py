@@ -7,6 +7,7 @@
     load_mbpp("train")          120 rows (sanitized MBPP): task_id, text, first_test, code, test_list, test_imports
     load_mbpp("validation"/"test")  43 / 257 rows
     mbpp_pairs("train")         the same rows as training pairs: {"prompt", "response", "id"}
+    gsm8k_pairs("train")        GSM8K as training pairs: math prompt -> solution ending "The answer is N."
     load_mbpp_plus("test")      224 rows (MBPP+ v0.2.0 ids in the MBPP test split):
                                 task_id ("Mbpp/N"), text, first_test, entry_point, canonical_solution
 
@@ -35,7 +36,7 @@ from datasets import Dataset  # noqa: E402
 
 from atlas_core.paths import data_dir, state_dir  # noqa: E402
 from evaluation.datafiles import DataIntegrityError, download, verified_path, verify_all  # noqa: E402
-from evaluation.prompts import code_pair  # noqa: E402
+from evaluation.prompts import code_pair, math_pair  # noqa: E402
 
 GSM8K_FILES = {"test": "gsm8k/test.jsonl", "train": "gsm8k/train.jsonl"}
 CSQA_FILES = {"validation": "csqa/dev_rand_split.jsonl", "train": "csqa/train_rand_split.jsonl"}
@@ -73,6 +74,13 @@ def load_gsm8k(split: str = "test", root: str | Path | None = None) -> Dataset:
         return {"id": f"gsm8k-{split}-{idx}", "final": match.group(1).replace(",", "")}
 
     return ds.map(add_fields, with_indices=True).select_columns(["id", "question", "answer", "final"])
+
+
+def gsm8k_pairs(split: str = "train", root: str | Path | None = None) -> list[dict]:
+    """GSM8K `split` as training pairs (ids as in `load_gsm8k`): the math prompt -> the worked
+    solution in the answer format the prompt asks for (`prompts.math_pair`)."""
+    ds = load_gsm8k(split, root)
+    return [math_pair(q, a, f, i) for q, a, f, i in zip(ds["question"], ds["answer"], ds["final"], ds["id"])]
 
 
 # ---------------------------------------------------------------- CommonsenseQA

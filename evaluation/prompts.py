@@ -38,6 +38,15 @@ def math_message(question: str) -> str:
     )
 
 
+def math_pair(question: str, solution: str, final: str, pair_id: str) -> dict:
+    """A math training pair: the math prompt -> the reference solution with its closing "#### N"
+    line rewritten as "The answer is N." (the ending `math_message` asks for, which
+    `answers.extract_gsm8k_answer` reads when no "####" is left)."""
+    cut = solution.rfind("####")
+    body = (solution[:cut] if cut >= 0 else solution).rstrip()
+    return {"prompt": math_message(question), "response": f"{body}\nThe answer is {final}.", "id": pair_id}
+
+
 def choice_message(stem: str, texts: Sequence[str], labels: Sequence[str] = CSQA_LABELS) -> str:
     """A multiple-choice question with labelled options; the reply should be one label."""
     if len(texts) != len(labels):

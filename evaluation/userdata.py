@@ -9,9 +9,18 @@ Retained set (behaviour to keep), one JSON object per line:
 
     {"id": "r1", "prompt": "What is 2 + 3?", "answer": "2 + 3 = 5. The answer is 5."}
 
+Retained domain (teacher-forced contexts whose outputs a release must not move; see
+evaluation/domains.py), one JSON object per line:
+
+    {"id": "d1", "prompt": "What is 2 + 3?", "reference": "2 + 3 = 5. The answer is 5.",
+     "answer": "5"}                             # "answer" optional: graded by the domain's checker
+
+Answer set (the `exact-match` scorer): rows with `id`, `prompt` and `answer`; a retained set
+is one, and so is a retained domain whose rows all carry `answer`.
+
 Rules, checked on load with an error that names the file, the line and the field:
 - `id` is a non-empty string, unique within the file;
-- `prompt`, `response` and `answer` are strings, `prompt` non-empty;
+- `prompt`, `response`, `reference` and `answer` are strings, `prompt` (and `reference`) non-empty;
 - `tests` (skill sets only) is a list of strings;
 - an optional `meta` object is carried through untouched; any other key is an error
   (a typo such as "promt" must not silently drop a field);
@@ -26,6 +35,15 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
+
+from atlas_core.paths import PROJECT_ROOT
+
+
+def resolve_path(path: str | Path) -> Path:
+    """A user file's path as given, else relative to the project root: the rule of
+    flows.config.resolve, for files named in a config (evaluation must not import flows)."""
+    path = Path(path).expanduser()
+    return path if path.is_absolute() or path.exists() else PROJECT_ROOT / path
 
 
 class SchemaError(ValueError):
@@ -66,8 +84,19 @@ class RetainedExample:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class DomainExample:
+    id: str
+    prompt: str
+    reference: str
+    answer: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
 _SKILL_FIELDS = {"id": True, "prompt": True, "response": True, "tests": False, "meta": False}
 _RETAINED_FIELDS = {"id": True, "prompt": True, "answer": True, "meta": False}
+_DOMAIN_FIELDS = {"id": True, "prompt": True, "reference": True, "answer": False, "meta": False}
+_ANSWER_FIELDS = {"id": True, "prompt": True, "answer": True, "reference": False, "meta": False}
 
 
 def _rows(path: Path, fields: dict[str, bool]) -> list[tuple[int, dict[str, Any]]]:
@@ -83,7 +112,7 @@ def _rows(path: Path, fields: dict[str, bool]) -> list[tuple[int, dict[str, Any]
         unknown = sorted(set(row) - set(fields))
         if unknown:
             raise SchemaError(f"{where}: field '{unknown[0]}' is not part of the schema (allowed: {sorted(fields)})")
-        for name in ("id", "prompt", "response", "answer"):
+        for name in ("id", "prompt", "response", "answer", "reference"):
             if name in row and not isinstance(row[name], str):
                 raise SchemaError(f"{where}: field '{name}' must be a string, got {type(row[name]).__name__}")
         for name in ("id", "prompt"):
@@ -117,3 +146,20 @@ def load_retained_jsonl(path: str | Path) -> list[RetainedExample]:
         RetainedExample(row["id"], row["prompt"], row["answer"], row.get("meta", {}))
         for _, row in _rows(Path(path), _RETAINED_FIELDS)
     ]
+
+
+def load_domain_jsonl(path: str | Path) -> list[DomainExample]:
+    """Read a retained domain (schema in the module docstring); `reference` must not be empty,
+    since it is the teacher-forced continuation whose outputs are watched."""
+    out = []
+    for lineno, row in _rows(Path(path), _DOMAIN_FIELDS):
+        if not row["reference"].strip():
+            raise SchemaError(f"{path}: line {lineno}: field 'reference' is empty")
+        out.append(DomainExample(row["id"], row["prompt"], row["reference"], row.get("answer"), row.get("meta", {})))
+    return out
+
+
+def load_answer_jsonl(path: str | Path) -> list[RetainedExample]:
+    """Read an answer set: a retained set, or a retained domain whose rows all have `answer`."""
+    return [RetainedExample(row["id"], row["prompt"], row["answer"], row.get("meta", {}))
+            for _, row in _rows(Path(path), _ANSWER_FIELDS)]

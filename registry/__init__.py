@@ -23,7 +23,8 @@ Lines           ensure_model(ledger, backbone_id, line) -> ModelInfo; get_model(
                 (the deltas from the first after the base to this one); ModelInfo.line; VersionInfo.line,
                 .skill (what its delta taught; None for the base), .parent_id, .status ("active" | "retired")
 Queries         find_training_run(ledger, backbone_id, skill, method, seed, run_key, *, model_id=) -> (id, status);
-                run_checkpoints(ledger, run_id) -> [(id, epoch, step, metrics)]; evaluation_extra(ledger, id) -> dict;
+                run_checkpoints(ledger, run_id) -> [(id, epoch, step, metrics)]; training_run_config(ledger, run_id)
+                -> dict; run_versions(ledger, run_id) -> [VersionInfo]; evaluation_extra(ledger, id) -> dict;
                 recent_decisions(ledger, model_id, limit); recent_training_runs(ledger, backbone_id, skill, limit,
                 *, model_id=) -> [dict]; atlas_files(ledger, atlas_id) -> (artifact sha256, manifest sha256)
 MLflow          MlflowConfig.local(state_dir) / .server(url, artifact_root); MlflowBridge(config);

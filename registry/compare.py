@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from registry.db import Ledger, LedgerError
-from registry.lineage import base_version, get_model, get_version, list_versions
+from registry.lines import base_version, get_model, get_version, list_versions
 from registry.mlflow_bridge import MANAGED_ALIASES, MlflowBridge
 from registry.promotion import alias_holder, list_releases
 from registry.records import AnswerRecord, EvaluationInfo, FlipRates, VersionInfo
@@ -171,7 +171,11 @@ def _evaluation_metrics(ev: Optional[EvaluationInfo], version: VersionInfo) -> d
 
 def resolve_version(ledger: Ledger, model: int | str, ref: str) -> VersionInfo:
     """A version of `model` named the way people name it on a command line:
-    'base', an alias ('champion', 'candidate'), a version name, 'mlflow:<n>' or '#<ledger id>'."""
+    'base', an alias ('champion', 'candidate'), 'mlflow:<n>', '#<ledger id>' or a version name.
+
+    The form of `ref` decides what it is matched against, and names are unique within a
+    line, so a reference never matches two versions.
+    """
     info = get_model(ledger, model)
     if ref == "base":
         return base_version(ledger, info.id)
@@ -181,10 +185,18 @@ def resolve_version(ledger: Ledger, model: int | str, ref: str) -> VersionInfo:
             raise LedgerError(f"{info.name}: nobody holds {ref!r}")
         return holder
     versions = list_versions(ledger, info.id)
-    matches = [v for v in versions if v.name == ref or f"#{v.id}" == ref or f"mlflow:{v.mlflow_version}" == ref]
-    if len(matches) != 1:
+    if ref.startswith("#"):
+        matches = [v for v in versions if f"#{v.id}" == ref]
+    elif ref.startswith("mlflow:"):
+        matches = [v for v in versions if v.mlflow_version is not None and f"mlflow:{v.mlflow_version}" == ref]
+    else:
+        matches = [v for v in versions if v.name == ref]
+    if not matches:
         known = ", ".join(v.name for v in versions) or "none"
-        raise LedgerError(f"{info.name}: version {ref!r} matches {len(matches)} versions (known: {known})")
+        raise LedgerError(f"{info.name}: version {ref!r} matches 0 versions (known: {known})")
+    if len(matches) > 1:  # the unique (line, name) constraint makes this a corrupted ledger
+        raise LedgerError(f"{info.name}: version {ref!r} matches {len(matches)} versions: "
+                          f"{', '.join(f'#{v.id}' for v in matches)}")
     return matches[0]
 
 

@@ -2,8 +2,8 @@
 
 Everything goes through one `MlflowClient` built from an explicit `MlflowConfig`; nothing
 touches MLflow's process-global state, because its defaults depend on the working
-directory. An experiment is made per (backbone, skill) and a registered model per
-(backbone, skill); the ledger decides what MLflow shows (see `promotion.repair`).
+directory. An experiment and a registered model are made per line (`<backbone>.<line>`);
+the ledger decides what MLflow shows (see `promotion.repair`).
 """
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ class MlflowConfig:
         return cls(url, artifact_root)
 
 
-def experiment_name(backbone: str, skill: str) -> str:
-    return f"{backbone} / {skill}"
+def experiment_name(backbone: str, line: str) -> str:
+    return f"{backbone} / {line}"
 
 
 class MlflowBridge:
@@ -59,13 +59,13 @@ class MlflowBridge:
                                    registry_uri=config.registry_uri or config.tracking_uri)
 
     # -- experiments and runs ---------------------------------------------------------
-    def experiment_id(self, backbone: str, skill: str) -> str:
-        """The (backbone, skill) experiment, created with an explicit artifact location."""
-        name = experiment_name(backbone, skill)
+    def experiment_id(self, backbone: str, line: str) -> str:
+        """The experiment of a line, created with an explicit artifact location."""
+        name = experiment_name(backbone, line)
         existing = self.client.get_experiment_by_name(name)
         if existing is not None:
             return existing.experiment_id
-        folder = f"{backbone.replace('/', '--')}.{skill}"
+        folder = f"{backbone.replace('/', '--')}.{line}"
         location = f"{self.config.artifact_root.rstrip('/')}/{folder}"
         try:
             return self.client.create_experiment(name, artifact_location=location)
@@ -76,10 +76,10 @@ class MlflowBridge:
                 raise
             return existing.experiment_id
 
-    def start_run(self, backbone: str, skill: str, run_name: str, params: dict[str, Any],
+    def start_run(self, backbone: str, line: str, run_name: str, params: dict[str, Any],
                   tags: Optional[dict[str, str]] = None) -> str:
-        run = self.client.create_run(self.experiment_id(backbone, skill), run_name=run_name,
-                                     tags={"backbone": backbone, "skill": skill, **(tags or {})})
+        run = self.client.create_run(self.experiment_id(backbone, line), run_name=run_name,
+                                     tags={"backbone": backbone, "line": line, **(tags or {})})
         self.log_params(run.info.run_id, params)
         return run.info.run_id
 

@@ -115,11 +115,17 @@ class AtlasDataset(Base):
 
 
 class TrainingRun(Base):
-    """One (method, seed) training of one skill on one backbone."""
+    """One (method, seed) training of one skill on one backbone, on top of a parent version."""
 
     __tablename__ = "ledger_training_runs"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     backbone_id: Mapped[int] = mapped_column(ForeignKey("ledger_backbones.id"))
+    # The line it was trained for and the version it was trained on top of (the line's base
+    # version when trained on the bare backbone). NULL: a run recorded before lines existed.
+    registered_model_id: Mapped[Optional[int]] = mapped_column(ForeignKey("ledger_registered_models.id"))
+    # use_alter: versions -> checkpoints -> runs -> versions is a cycle of foreign keys.
+    parent_version_id: Mapped[Optional[int]] = mapped_column(
+        ForeignKey("ledger_model_versions.id", use_alter=True))
     atlas_id: Mapped[Optional[int]] = mapped_column(ForeignKey("ledger_atlases.id"))
     dataset_id: Mapped[Optional[int]] = mapped_column(ForeignKey("ledger_datasets.id"))
     skill: Mapped[str] = mapped_column(String(128))
@@ -149,26 +155,37 @@ class Checkpoint(Base):
 
 
 class RegisteredModel(Base):
-    """One releasable model per (backbone, skill). Its row is the promotion lock."""
+    """A line: one backbone (at one revision) and the skills released onto it over time.
+
+    Its row is the promotion lock.
+    """
 
     __tablename__ = "ledger_registered_models"
-    __table_args__ = (UniqueConstraint("backbone_id", "skill"),)
+    __table_args__ = (UniqueConstraint("backbone_id", "line"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(255), unique=True)
     backbone_id: Mapped[int] = mapped_column(ForeignKey("ledger_backbones.id"))
-    skill: Mapped[str] = mapped_column(String(128))
+    line: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[datetime] = _created_at()
 
 
 class ModelVersion(Base):
-    """An evaluated candidate (a checkpoint), or the base backbone when checkpoint_id is NULL."""
+    """A parent version plus one delta (a checkpoint's adapter), or the base backbone of a
+    line when checkpoint_id and parent_version_id are NULL."""
 
     __tablename__ = "ledger_model_versions"
-    __table_args__ = (UniqueConstraint("registered_model_id", "checkpoint_id"),)
+    __table_args__ = (
+        UniqueConstraint("registered_model_id", "checkpoint_id"),
+        # Named by hand: the convention would give it the same name as the constraint above.
+        UniqueConstraint("registered_model_id", "name", name="uq_ledger_model_versions_name"),
+    )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     registered_model_id: Mapped[int] = mapped_column(ForeignKey("ledger_registered_models.id"))
     checkpoint_id: Mapped[Optional[int]] = mapped_column(ForeignKey("ledger_checkpoints.id"))
+    parent_version_id: Mapped[Optional[int]] = mapped_column(ForeignKey("ledger_model_versions.id"))
     name: Mapped[str] = mapped_column(String(255))
+    # 'retired' once rolled back: no cycle promotes it again until a person re-nominates it.
+    status: Mapped[str] = mapped_column(String(16), default="active", server_default="active")
     mlflow_version: Mapped[Optional[str]] = mapped_column(String(32))
     created_at: Mapped[datetime] = _created_at()
 
@@ -259,7 +276,10 @@ class GateCheck(Base):
 
 
 class Release(Base):
-    """An alias move: `model_version_id` took `alias` from `previous_version_id`."""
+    """An alias move: `model_version_id` took `alias` from `previous_version_id`.
+
+    A rollback to the base version records the base's id here and deletes the alias holder.
+    """
 
     __tablename__ = "ledger_releases"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -267,7 +287,8 @@ class Release(Base):
     alias: Mapped[str] = mapped_column(String(64))
     model_version_id: Mapped[int] = mapped_column(ForeignKey("ledger_model_versions.id"))
     previous_version_id: Mapped[Optional[int]] = mapped_column(ForeignKey("ledger_model_versions.id"))
-    action: Mapped[str] = mapped_column(String(16))  # promote | rollback
+    # promote | rollback | renominate (the last moves nothing: it lifts a rollback's retirement)
+    action: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str] = mapped_column(Text)
     flow_run_id: Mapped[Optional[str]] = mapped_column(String(64))
     created_at: Mapped[datetime] = _created_at()

@@ -1,4 +1,4 @@
-"""Promotion, rollback and repair of the aliases `champion` and `candidate`.
+"""Promotion, rollback, re-nomination and repair of the aliases `champion` and `candidate`.
 
 The ledger is the source of truth. An alias move is one ledger transaction (a release row
 plus the new current holder), followed by the same move in MLflow. If the process dies in
@@ -9,6 +9,10 @@ Two promotions of the same model are serialised by locking the model's row (SELE
 FOR UPDATE on PostgreSQL; every SQLite transaction is BEGIN IMMEDIATE). Inside the lock a
 promotion checks that the champion is still the version its gate decision was measured
 against, so when two cycles race, the second finds a new champion and is refused.
+
+A rollback moves `champion` to its previous holder, or to the base version when there was
+none: nobody holding `champion` means the base backbone serves. The version rolled back is
+retired, and no promotion to `champion` takes it again until a person re-nominates it.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from registry.db import Ledger, LedgerError
-from registry.lineage import get_version, version_info
+from registry.lines import base_row, get_version, lock_line, version_info
 from registry.mlflow_bridge import MANAGED_ALIASES, MlflowBridge
 from registry.models import AliasHolder, GateDecision, ModelVersion, RegisteredModel, Release, utcnow
 from registry.records import ReleaseInfo, VersionInfo
@@ -52,13 +56,6 @@ def _release_info(row: Release) -> ReleaseInfo:
                        row.created_at, row.mlflow_synced_at is not None)
 
 
-def _lock_model(session: Session, model_id: int) -> RegisteredModel:
-    model = session.scalar(select(RegisteredModel).where(RegisteredModel.id == model_id).with_for_update())
-    if model is None:
-        raise LedgerError(f"registered model id {model_id} does not exist in the ledger")
-    return model
-
-
 def _passing_decision(session: Session, version_id: int) -> GateDecision:
     """The version's latest gate decision, which must be a pass (fail closed)."""
     decision = session.scalar(select(GateDecision).where(GateDecision.model_version_id == version_id)
@@ -78,12 +75,18 @@ def _version_label(session: Session, version_id: Optional[int]) -> str:
     return f"{row.name} (id {row.id})"
 
 
-def _move_alias(session: Session, model_id: int, alias: str, version_id: int, previous: Optional[int],
-                action: str, reason: str, flow_run_id: Optional[str]) -> Release:
+def _record_release(session: Session, model_id: int, alias: str, version_id: int, previous: Optional[int],
+                    action: str, reason: str, flow_run_id: Optional[str]) -> Release:
     release = Release(registered_model_id=model_id, alias=alias, model_version_id=version_id,
                       previous_version_id=previous, action=action, reason=reason, flow_run_id=flow_run_id)
     session.add(release)
     session.flush()
+    return release
+
+
+def _move_alias(session: Session, model_id: int, alias: str, version_id: int, previous: Optional[int],
+                action: str, reason: str, flow_run_id: Optional[str]) -> Release:
+    release = _record_release(session, model_id, alias, version_id, previous, action, reason, flow_run_id)
     holder = session.get(AliasHolder, (model_id, alias))
     if holder is None:
         session.add(AliasHolder(registered_model_id=model_id, alias=alias, model_version_id=version_id,
@@ -96,12 +99,24 @@ def _move_alias(session: Session, model_id: int, alias: str, version_id: int, pr
 
 def _sync_to_mlflow(ledger: Ledger, bridge: Optional[MlflowBridge], model_name: str, alias: str,
                     mlflow_version: Optional[str], release: ReleaseInfo) -> ReleaseInfo:
+    """Move the MLflow alias like the ledger's; `mlflow_version` None: the base serves, so
+    MLflow's alias is removed."""
     if bridge is None:
         return release  # ledger-only use; `repair` will bring MLflow along later
-    bridge.set_alias(model_name, alias, str(mlflow_version))
+    if mlflow_version is not None:
+        bridge.set_alias(model_name, alias, str(mlflow_version))
+    elif alias in bridge.aliases(model_name):
+        bridge.delete_alias(model_name, alias)
     with ledger.transaction() as s:
         s.execute(update(Release).where(Release.id == release.id).values(mlflow_synced_at=utcnow()))
     return replace(release, mlflow_synced=True)
+
+
+def _retired_by(session: Session, version: ModelVersion) -> str:
+    """How a retired version was retired, for the error that refuses to promote it."""
+    release = session.scalar(select(Release).where(Release.previous_version_id == version.id,
+                                                   Release.action == "rollback").order_by(Release.id.desc()).limit(1))
+    return f"release #{release.id}: {release.reason}" if release else "no rollback release found"
 
 
 def promote(ledger: Ledger, bridge: Optional[MlflowBridge], version_id: int, *, alias: str = "champion",
@@ -112,6 +127,7 @@ def promote(ledger: Ledger, bridge: Optional[MlflowBridge], version_id: int, *, 
     `expected_current` is the version that must hold the alias right now: by default the
     champion recorded in the version's gate decision; an id, None (nobody), or ANY_HOLDER.
     Promoting the current holder again only re-syncs MLflow and returns its release.
+    A version retired by a rollback cannot become `champion` until `renominate` is called.
     """
     if alias not in MANAGED_ALIASES:
         raise PromotionError(f"alias: expected one of {MANAGED_ALIASES}, got {alias!r}")
@@ -120,12 +136,17 @@ def promote(ledger: Ledger, bridge: Optional[MlflowBridge], version_id: int, *, 
         raise PromotionError(f"version {version.name} (id {version.id}) is not in MLflow yet; "
                              "publish it (registry.publish_version) before promoting")
     with ledger.transaction() as s:
-        _lock_model(s, version.model_id)
+        lock_line(s, version.model_id)
         holder = s.get(AliasHolder, (version.model_id, alias))
         current = holder.model_version_id if holder else None
         if current == version_id:
             release = s.get(Release, holder.release_id)
         else:
+            row = s.get(ModelVersion, version_id)
+            if alias == "champion" and row.status == "retired":
+                raise PromotionError(
+                    f"{version.name} (id {version.id}) was retired by rollback ({_retired_by(s, row)}); "
+                    "re-nominate it with `atlas renominate` to make it promotable again")
             decision = _passing_decision(s, version_id) if require_gate else None
             expected = expected_current
             if expected == FROM_GATE:
@@ -160,26 +181,59 @@ def _rollback_target(session: Session, model_id: int, alias: str, current: int) 
 
 def rollback(ledger: Ledger, bridge: Optional[MlflowBridge], model_id: int, reason: str, *,
              flow_run_id: Optional[str] = None, alias: str = "champion") -> ReleaseInfo:
-    """Move `alias` back to the version that held it before the current one; record why."""
+    """Move `alias` back to the version that held it before the current one, or to the base
+    version when nobody did; the version rolled back is retired. Records why."""
     if not reason or not reason.strip():
         raise RollbackError("rollback: a reason is required (it is recorded in the ledger)")
     with ledger.transaction() as s:
-        model = _lock_model(s, model_id)
+        model = lock_line(s, model_id)
         holder = s.get(AliasHolder, (model_id, alias))
         if holder is None:
-            raise RollbackError(f"{model.name}: nobody holds {alias!r}; nothing to roll back")
+            raise RollbackError(f"{model.name}: nobody holds {alias!r} (the base serves); nothing to roll back")
         current = holder.model_version_id
         target = _rollback_target(s, model_id, alias, current)
         if target is None:
-            raise RollbackError(f"{model.name}: {_version_label(s, current)} has no previous holder of "
-                                f"{alias!r} to roll back to")
-        target_row = s.get(ModelVersion, target)
-        if bridge is not None and target_row.mlflow_version is None:
-            raise RollbackError(f"{_version_label(s, target)} is not in MLflow; publish it first")
-        release = _move_alias(s, model_id, alias, target, current, "rollback", reason, flow_run_id)
+            # Back to the bare backbone: the release names the base, and nobody holds the alias.
+            release = _record_release(s, model_id, alias, base_row(s, model).id, current, "rollback",
+                                      reason, flow_run_id)
+            s.delete(holder)
+            mlflow_version = None
+        else:
+            target_row = s.get(ModelVersion, target)
+            if bridge is not None and target_row.mlflow_version is None:
+                raise RollbackError(f"{_version_label(s, target)} is not in MLflow; publish it first")
+            release = _move_alias(s, model_id, alias, target, current, "rollback", reason, flow_run_id)
+            mlflow_version = target_row.mlflow_version
+        rolled_back = s.get(ModelVersion, current)
+        if rolled_back.checkpoint_id is not None:  # the base is the floor: it is never retired
+            rolled_back.status = "retired"
         info = _release_info(release)
-        model_name, mlflow_version = model.name, target_row.mlflow_version
+        model_name = model.name
     return _sync_to_mlflow(ledger, bridge, model_name, alias, mlflow_version, info)
+
+
+def renominate(ledger: Ledger, version_id: int, reason: str, *, flow_run_id: Optional[str] = None) -> ReleaseInfo:
+    """Make a version that a rollback retired promotable again; moves no alias.
+
+    Recorded as a release with action 'renominate' (alias 'champion', previous = the
+    current holder) so that the history shows who lifted the retirement and why.
+    """
+    if not reason or not reason.strip():
+        raise PromotionError("renominate: a reason is required (it is recorded in the ledger)")
+    with ledger.transaction() as s:
+        version = s.get(ModelVersion, version_id)
+        if version is None:
+            raise LedgerError(f"model version id {version_id} does not exist in the ledger")
+        lock_line(s, version.registered_model_id)
+        if version.status != "retired":
+            raise PromotionError(f"{version.name} (id {version.id}) is {version.status}, not retired; "
+                                 "there is nothing to re-nominate")
+        version.status = "active"
+        holder = s.get(AliasHolder, (version.registered_model_id, "champion"))
+        release = _record_release(s, version.registered_model_id, "champion", version.id,
+                                  holder.model_version_id if holder else None, "renominate", reason, flow_run_id)
+        release.mlflow_synced_at = utcnow()  # no alias moved: MLflow has nothing to catch up on
+        return _release_info(release)
 
 
 def alias_holder(ledger: Ledger, model_id: int, alias: str = "champion") -> Optional[VersionInfo]:

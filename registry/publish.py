@@ -10,10 +10,12 @@ import tempfile
 from pathlib import Path
 
 from registry.db import Ledger, LedgerError
-from registry.lineage import get_version, link_mlflow_run, require_row, set_mlflow_version, short_backbone
+from registry.lineage import link_mlflow_run
+from registry.lines import get_version, set_mlflow_version, short_backbone, version_chain
 from registry.mlflow_bridge import MlflowBridge
-from registry.models import Atlas, Backbone, Checkpoint, TrainingRun
+from registry.models import Atlas, Backbone, Checkpoint, RegisteredModel, TrainingRun
 from registry.results import get_answers, latest_gate_decision
+from registry.rows import require_row
 from registry.store import ArtifactStore, atomic_write_text
 
 RUN_TAG = "ledger.training_run_id"
@@ -28,19 +30,21 @@ def ensure_mlflow_run(ledger: Ledger, bridge: MlflowBridge, training_run_id: int
         atlas = s.get(Atlas, run.atlas_id) if run.atlas_id is not None else None
         if run.mlflow_run_id:
             return run.mlflow_run_id
-        facts = dict(backbone=backbone.name, revision=backbone.revision, skill=run.skill,
-                     method=run.method, seed=run.seed, config=dict(run.config))
-    experiment = bridge.experiment_id(facts["backbone"], facts["skill"])
+        # One experiment per line; a run recorded without a line belongs to the line of its skill.
+        line = s.get(RegisteredModel, run.registered_model_id).line if run.registered_model_id else run.skill
+        facts = dict(backbone=backbone.name, revision=backbone.revision, line=line, skill=run.skill,
+                     method=run.method, seed=run.seed, parent=run.parent_version_id, config=dict(run.config))
+    experiment = bridge.experiment_id(facts["backbone"], facts["line"])
     found = bridge.client.search_runs([experiment], filter_string=f"tags.`{RUN_TAG}` = '{training_run_id}'")
     if found:
         run_id = found[0].info.run_id
     else:
         params = {"backbone": facts["backbone"], "backbone_revision": facts["revision"],
-                  "skill": facts["skill"], "method": facts["method"], "seed": facts["seed"],
-                  "atlas_content_hash": atlas.content_hash if atlas else "none",
+                  "line": facts["line"], "skill": facts["skill"], "method": facts["method"], "seed": facts["seed"],
+                  "parent_version_id": str(facts["parent"]), "atlas_content_hash": atlas.content_hash if atlas else "none",
                   **{f"config.{k}": v for k, v in sorted(facts["config"].items())}}
         name = f"{short_backbone(facts['backbone'])}-{facts['skill']}-{facts['method']}-s{facts['seed']}"
-        run_id = bridge.start_run(facts["backbone"], facts["skill"], name, params,
+        run_id = bridge.start_run(facts["backbone"], facts["line"], name, params,
                                   tags={RUN_TAG: str(training_run_id)})
     link_mlflow_run(ledger, training_run_id, run_id)
     return run_id
@@ -62,7 +66,8 @@ def version_tags(ledger: Ledger, version_id: int) -> dict[str, str]:
     v = get_version(ledger, version_id)
     decision = latest_gate_decision(ledger, version_id)
     tags = {
-        "version_name": v.name, "backbone": v.backbone, "skill": v.skill,
+        "version_name": v.name, "backbone": v.backbone, "line": v.line, "skill": str(v.skill),
+        "ledger.parent_version_id": str(v.parent_id),
         "method": str(v.method), "seed": str(v.seed), "epoch": str(v.epoch), "step": str(v.step),
         "adapter_sha256": str(v.adapter_sha256), "atlas_sha256": str(v.atlas_sha256),
         "gate_verdict": "pending" if decision is None else ("pass" if decision.passed else "fail"),
@@ -97,9 +102,14 @@ def _write_version_folder(ledger: Ledger, store: ArtifactStore, version_id: int,
     lines = [json.dumps({"dataset": a.dataset, "question_id": a.question_id, "answer": a.answer,
                          "correct": a.correct}, sort_keys=True) for a in answers]
     atomic_write_text(folder / "answers.jsonl", "".join(line + "\n" for line in lines))
-    manifest = {"name": v.name, "model": v.model_name, "backbone": v.backbone, "skill": v.skill,
+    # The chain tells a loader which earlier deltas (verified by sha256) go under this one.
+    chain = [{"ledger_version_id": d.id, "name": d.name, "skill": d.skill, "method": d.method,
+              "adapter_sha256": d.adapter_sha256, "atlas_sha256": d.atlas_sha256}
+             for d in version_chain(ledger, version_id)]
+    manifest = {"name": v.name, "model": v.model_name, "backbone": v.backbone, "line": v.line, "skill": v.skill,
                 "method": v.method, "seed": v.seed, "epoch": v.epoch, "step": v.step,
                 "ledger_version_id": v.id, "ledger_checkpoint_id": v.checkpoint_id,
+                "ledger_parent_version_id": v.parent_id, "chain": chain,
                 "files": {name: {"sha256": sha256} for name, sha256 in files.items()}}
     atomic_write_text(folder / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
@@ -117,7 +127,7 @@ def publish_version(ledger: Ledger, store: ArtifactStore, bridge: MlflowBridge, 
     if v.mlflow_version is not None:
         return v.mlflow_version
     run_id = ensure_mlflow_run(ledger, bridge, v.training_run_id)  # type: ignore[arg-type]
-    bridge.ensure_registered_model(v.model_name, f"{v.backbone} adapted for {v.skill}")
+    bridge.ensure_registered_model(v.model_name, f"line {v.line} of {v.backbone}")
     existing = bridge.find_version(v.model_name, VERSION_TAG, str(v.id))
     if existing is None:
         artifact_path = f"versions/{v.name}"

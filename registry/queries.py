@@ -7,7 +7,10 @@ from typing import Optional
 from sqlalchemy import select
 
 from registry.db import Ledger, LedgerError
+from registry.lines import version_info
 from registry.models import Atlas, Checkpoint, Evaluation, GateDecision, ModelVersion, TrainingRun
+from registry.records import VersionInfo
+from registry.rows import require_row
 
 
 def find_training_run(ledger: Ledger, backbone_id: int, skill: str, method: str, seed: int, run_key: str, *,
@@ -33,6 +36,21 @@ def run_checkpoints(ledger: Ledger, training_run_id: int) -> list[tuple[int, int
         rows = s.scalars(select(Checkpoint).where(Checkpoint.training_run_id == training_run_id)
                          .order_by(Checkpoint.step))
         return [(r.id, r.epoch, r.step, dict(r.metrics)) for r in rows]
+
+
+def training_run_config(ledger: Ledger, training_run_id: int) -> dict:
+    """The config stored with a training run when it started."""
+    with ledger.transaction() as s:
+        return dict(require_row(s, TrainingRun, training_run_id, "training run").config)
+
+
+def run_versions(ledger: Ledger, training_run_id: int) -> list[VersionInfo]:
+    """The versions registered from a training run's checkpoints, oldest first."""
+    with ledger.transaction() as s:
+        require_row(s, TrainingRun, training_run_id, "training run")
+        rows = s.scalars(select(ModelVersion).join(Checkpoint, ModelVersion.checkpoint_id == Checkpoint.id)
+                         .where(Checkpoint.training_run_id == training_run_id).order_by(ModelVersion.id))
+        return [version_info(s, row) for row in rows]
 
 
 def evaluation_extra(ledger: Ledger, evaluation_id: int) -> dict:
@@ -78,21 +96,3 @@ def atlas_files(ledger: Ledger, atlas_id: int) -> tuple[str, str]:
             raise LedgerError(f"atlas id {atlas_id}: its config has no manifest_sha256")
         return row.artifact_sha256, manifest
 
-
-def training_run_config(ledger: Ledger, training_run_id: int) -> dict:
-    """The stored config of a training run (run key, run config, the skill spec it trained)."""
-    with ledger.transaction() as s:
-        row = s.get(TrainingRun, training_run_id)
-        if row is None:
-            raise LedgerError(f"training run id {training_run_id} does not exist in the ledger")
-        return dict(row.config or {})
-
-
-def run_versions(ledger: Ledger, training_run_id: int) -> list:
-    """The versions registered from a training run's checkpoints, oldest first."""
-    from registry.lines import version_info
-
-    with ledger.transaction() as s:
-        rows = s.scalars(select(ModelVersion).join(Checkpoint, ModelVersion.checkpoint_id == Checkpoint.id)
-                         .where(Checkpoint.training_run_id == training_run_id).order_by(ModelVersion.id))
-        return [version_info(s, row) for row in rows]

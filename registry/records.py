@@ -116,11 +116,13 @@ class CheckpointInfo:
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """A line: one registered model of one backbone at one revision."""
+
     id: int
     name: str
     backbone: str
     revision: str
-    skill: str
+    line: str
 
 
 @dataclass(frozen=True)
@@ -132,8 +134,11 @@ class VersionInfo:
     model_name: str
     name: str
     backbone: str
-    skill: str
+    line: str  # the line (registered model) the version belongs to
+    skill: Optional[str]  # the skill its delta taught; None for the base version
     mlflow_version: Optional[str]
+    parent_id: Optional[int] = None  # the version its delta sits on; None only for the base
+    status: str = "active"  # "retired" once rolled back, until re-nominated
     checkpoint_id: Optional[int] = None  # None: the base backbone itself
     training_run_id: Optional[int] = None
     mlflow_run_id: Optional[str] = None

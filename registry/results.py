@@ -8,7 +8,7 @@ from typing import Any, Optional
 from sqlalchemy import select
 
 from registry.db import Ledger, LedgerError
-from registry.lineage import json_field, require_row
+from registry.rows import json_field, require_row
 from registry.models import (
     Answer,
     Evaluation,

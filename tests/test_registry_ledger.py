@@ -25,7 +25,7 @@ def test_migration_from_empty_database_matches_the_models(ledger_url):
         tables = set(inspect(engine).get_table_names())
         assert {t.name for t in Base.metadata.sorted_tables} | {VERSION_TABLE} == tables
         with engine.connect() as conn:
-            assert conn.scalar(text(f"SELECT version_num FROM {VERSION_TABLE}")) == "0001"
+            assert conn.scalar(text(f"SELECT version_num FROM {VERSION_TABLE}")) == "0002"
             context = MigrationContext.configure(conn, opts={"compare_type": True, "version_table": VERSION_TABLE})
             assert compare_metadata(context, Base.metadata) == []
         r.init_db(ledger_url).close()  # a second init is a no-op
@@ -73,7 +73,10 @@ def test_lineage_records_are_idempotent(ledger, store):
     base = r.base_version(ledger, version.model_id)
     assert base.is_base and base.name == "Qwen3-0.6B-base"
     assert r.base_version(ledger, version.model_id) == base
-    assert [v.id for v in r.list_versions(ledger, version.model_id)] == [version.id, base.id]
+    # The base was made first: it is the parent of the version trained on the bare backbone.
+    assert (version.parent_id, version.line, version.skill, version.status) == (base.id, "mbpp", "mbpp", "active")
+    assert (base.parent_id, base.line, base.skill) == (None, "mbpp", None)
+    assert [v.id for v in r.list_versions(ledger, version.model_id)] == [base.id, version.id]
     assert r.get_model(ledger, version.model_name).id == version.model_id
     assert r.ensure_model(ledger, bb, "mbpp").id == version.model_id
 
@@ -186,16 +189,20 @@ def test_promotion_and_rollback_in_the_ledger(ledger, store):
     assert (back.version_id, back.previous_version_id, back.action) == (v2.id, v3.id, "rollback")
     assert back.reason == "v3 regressed on csqa"
     assert r.rollback(ledger, None, model_id, "v2 too").version_id == v1.id
-    with pytest.raises(r.RollbackError, match="no previous holder"):
-        r.rollback(ledger, None, model_id, "again")
+    # v1 had no previous holder: champion goes back to the base (nobody holds it).
+    to_base = r.rollback(ledger, None, model_id, "again")
+    assert (to_base.version_id, to_base.previous_version_id) == (r.base_version(ledger, model_id).id, v1.id)
+    assert r.alias_holder(ledger, model_id) is None
+    with pytest.raises(r.RollbackError, match="nobody holds 'champion'"):
+        r.rollback(ledger, None, model_id, "and again")
     with pytest.raises(r.RollbackError, match="reason"):
         r.rollback(ledger, None, model_id, " ")
     assert [x.id for x in r.list_releases(ledger, model_id)][:3] == [first.id, second.id, third.id]
-    assert len(r.list_releases(ledger, model_id)) == 5
+    assert len(r.list_releases(ledger, model_id)) == 6
 
-    r.mark_candidate(ledger, None, v3.id)
+    r.mark_candidate(ledger, None, v3.id)  # candidate may point at a retired version
     assert r.alias_holder(ledger, model_id, "candidate").id == v3.id
-    assert r.alias_holder(ledger, model_id, "champion").id == v1.id
+    assert r.alias_holder(ledger, model_id, "champion") is None
     with pytest.raises(r.PromotionError, match="alias"):
         r.promote(ledger, None, v3.id, alias="latest")
     with ledger.transaction() as s:

@@ -81,7 +81,8 @@ def test_champion_download_has_the_ledger_files(ledger, store, bridge, mlflow_co
     assert sha(folder / "adapter.safetensors") == v1.adapter_sha256
     assert sha(folder / "atlas.safetensors") == v1.atlas_sha256
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["ledger_version_id"] == v1.id
+    assert manifest["ledger_version_id"] == v1.id and manifest["line"] == "gsm8k"
+    assert [d["adapter_sha256"] for d in manifest["chain"]] == [v1.adapter_sha256]
     assert manifest["files"]["adapter.safetensors"]["sha256"] == v1.adapter_sha256
     answers = [json.loads(line) for line in (folder / "answers.jsonl").read_text().splitlines()]
     assert answers == [{"dataset": "gsm8k", "question_id": "q1", "answer": "1", "correct": False}]
@@ -111,6 +112,18 @@ def test_promote_and_rollback_move_mlflow_aliases(ledger, store, bridge):
     assert back.version_id == v0.id and back.mlflow_synced
     assert bridge.aliases(v1.model_name)["champion"] == v0.mlflow_version
     assert r.repair(ledger, bridge, model_id) == []  # already in agreement
+
+
+def test_rollback_to_the_base_removes_the_mlflow_alias(ledger, store, bridge):
+    model_id, (v0,) = released_model(ledger, store, bridge, seeds=(0,))
+    back = r.rollback(ledger, bridge, model_id, "the first release was bad")
+    assert back.version_id == r.base_version(ledger, model_id).id and back.mlflow_synced
+    assert "champion" not in bridge.aliases(v0.model_name)  # nobody holds it: the base serves
+    assert r.repair(ledger, bridge, model_id) == []
+    bridge.set_alias(v0.model_name, "champion", v0.mlflow_version)  # someone clicked in the UI
+    assert r.repair(ledger, bridge, model_id) == [f"{v0.model_name}@champion: removed (the ledger has no holder)"]
+    with pytest.raises(r.PromotionError, match="retired by rollback"):
+        r.promote(ledger, bridge, v0.id)
 
 
 def test_repair_restores_aliases_changed_behind_the_ledger(ledger, store, bridge):
