@@ -8,11 +8,11 @@ import json
 def _model(platform, args: argparse.Namespace):
     from registry import LedgerError, get_model, model_name_for
 
-    name = args.model or model_name_for(args.backbone, args.skill)
+    name = args.model or model_name_for(args.backbone, args.line)
     try:
         return get_model(platform.ledger, name)
     except LedgerError as e:
-        raise LedgerError(f"{e} (run `atlas update` first, or pass --model / --backbone / --skill)") from None
+        raise LedgerError(f"{e} (run `atlas update` first, or pass --model / --backbone / --line)") from None
 
 
 def _platform():
@@ -26,10 +26,15 @@ def cmd_update(args: argparse.Namespace) -> int:
     from .policy import load_policy
 
     # Validate both files before Prefect starts, so a typo is reported at once.
-    load_policy(args.policy, load_update_config(args.config, backbone=args.backbone, skill=args.skill).retained.domains)
+    load_policy(args.policy, load_update_config(args.config, backbone=args.backbone, skill=args.skill,
+                                                line=args.line).retained.domains)
     from .update import update
 
-    result = update(config=args.config, policy=args.policy, backbone=args.backbone, skill=args.skill)
+    result = update(config=args.config, policy=args.policy, backbone=args.backbone, skill=args.skill,
+                    snapshot=args.snapshot, line=args.line)
+    if result["outcome"] == "idle":
+        print(f"\n{result['model']}: idle: {result['reason']} (champion: {result['champion']})")
+        return 0
     verdicts = ", ".join(f"{name}: {'pass' if ok else 'reject'}" for name, ok in result["candidates"].items())
     print(f"\n{result['model']}: {'PROMOTED ' + result['champion'] if result['promoted'] else 'not promoted'}"
           f" (champion before: {result['previous_champion']}, now: {result['champion']})")
@@ -37,14 +42,15 @@ def cmd_update(args: argparse.Namespace) -> int:
     print(f"report:     {result['report']}")
     print(f"MLflow UI:  .venv/bin/mlflow ui --backend-store-uri sqlite:///{result['state']}/mlflow/mlflow.db"
           if "ATLAS_MLFLOW_TRACKING_URI" not in __import__("os").environ else "MLflow UI:  your tracking server")
-    print("details:    atlas status / atlas history / atlas gate --explain VERSION  (--backbone, --skill)")
+    print(f"details:    atlas status / atlas history / atlas gate --explain VERSION  (--model {result['model']})")
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .serve import serve_update
 
-    serve_update(cron=args.cron, config=args.config, policy=args.policy, backbone=args.backbone, skill=args.skill)
+    serve_update(cron=args.cron, config=args.config, policy=args.policy, backbone=args.backbone, skill=args.skill,
+                 line=args.line, snapshot=args.snapshot)
     return 0
 
 
@@ -156,13 +162,17 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     from .platform import DEFAULT_CONFIG, DEFAULT_POLICY
 
     model = argparse.ArgumentParser(add_help=False)
-    model.add_argument("--skill", default="code", help="skill of the registered model (default: %(default)s)")
-    model.add_argument("--model", default=None, help="registered model name (default: <backbone>.<skill>)")
+    model.add_argument("--line", "--skill", dest="line", default="code",
+                       help="release line of the registered model (default: %(default)s)")
+    model.add_argument("--model", default=None, help="registered model name (default: <backbone>.<line>)")
     cycle = argparse.ArgumentParser(add_help=False)
     cycle.add_argument("--config", default=DEFAULT_CONFIG, help="update config YAML (default: %(default)s)")
     cycle.add_argument("--policy", default=DEFAULT_POLICY, help="release policy YAML (default: %(default)s)")
     cycle.add_argument("--backbone", default=None, help="override the config's backbone")
     cycle.add_argument("--skill", default=None, help="override the config's skill")
+    cycle.add_argument("--line", default=None, help="override the config's release line")
+    cycle.add_argument("--snapshot", default=None,
+                       help="the skill's training data: a JSONL file, or a folder whose newest snapshot is taken")
 
     p = sub.add_parser("update", parents=[cycle], help="run one update cycle now: atlas, training, evaluation, gate, "
                        "promotion, report")

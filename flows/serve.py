@@ -28,7 +28,10 @@ def deployment_spec(name: str = DEPLOYMENT, path: Path = PREFECT_FILE) -> dict:
 
 
 def serve_update(cron: str | None = None, **overrides) -> None:
-    """Serve `update` with the yaml's schedule (or `cron`) and parameters (overridden where given)."""
+    """Serve `update` with the yaml's schedule (or `cron`) and parameters (overridden where given).
+
+    A parameter the yaml does not set is left to the flow's config file: `--config my.yaml`
+    takes its backbone, skill and line from my.yaml unless --backbone / --skill / --line are given."""
     from .update import update
 
     spec = deployment_spec()

@@ -116,3 +116,21 @@ def test_selection_takes_the_lowest_kl_among_passing():
     assert verdicts == {1: True, 2: True, 3: False}
     assert select([a, b, c], verdicts, p).version_id == 2
     assert select([c], {3: False}, p) is None
+
+
+def test_every_deployment_pairs_a_policy_with_answer_sets_it_can_pass():
+    """At zero negative flips the NFR bound of each deployment's answer sets is under its policy's limits
+    (16 GSM8K questions give 0.17 at 0 flips: a strict policy could never promote)."""
+    from flows.config import load_update_config
+    from flows.policy import load_policy
+    from flows.serve import deployment_spec
+
+    for name in ("update", "update-gpu"):
+        params = deployment_spec(name)["parameters"]
+        assert not {"backbone", "skill", "line"} & set(params)  # the config decides; a deployment overrides only if told
+        config = load_update_config(params["config"])
+        policy = load_policy(params["policy"], config.retained.domains)
+        sizes = {"gsm8k": config.retained.gsm8k_questions, "csqa": config.retained.csqa_questions}
+        for limits in (policy.nfr.max_vs_champion, policy.nfr.max_vs_base):
+            for domain, limit in limits.items():
+                assert policy.nfr.upper(0, sizes[domain]) <= limit, (name, domain)
