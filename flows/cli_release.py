@@ -27,7 +27,7 @@ def cmd_update(args: argparse.Namespace) -> int:
 
     # Validate both files before Prefect starts, so a typo is reported at once.
     load_policy(args.policy, load_update_config(args.config, backbone=args.backbone, skill=args.skill,
-                                                line=args.line).retained.domains)
+                                                line=args.line).domain_names)
     from .update import update
 
     result = update(config=args.config, policy=args.policy, backbone=args.backbone, skill=args.skill,

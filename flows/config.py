@@ -57,8 +57,11 @@ class TargetSpec:
 
 @dataclass
 class RetainedSpec:
-    domains: list[str] = field(f"Retained domains watched by the gates, from {RETAINED_DOMAINS}.",
-                               factory=lambda: list(RETAINED_DOMAINS))
+    domains: list[str | dict[str, int | str | None]] = field(
+        "Retained domains watched by the gates: built-in 'gsm8k', 'csqa', 'mbpp' (code contexts), or a user's JSONL "
+        "file as {name, file, gate_rows (first N rows gate, the rest calibrate the atlas), checker} "
+        "(evaluation/domains.py). Released skills of the line are added to these automatically.",
+        factory=lambda: list(RETAINED_DOMAINS))
     kl_contexts: int = field("Teacher-forced contexts per domain for retained KL (first N of GSM8K test / CSQA validation).", 128)
     kl_max_tokens: int = field("Contexts are cut to this many tokens for retained KL.", 1024)
     gsm8k_questions: int = field("GSM8K test questions answered by generation (answer churn, NFR).", 16)
@@ -68,9 +71,12 @@ class RetainedSpec:
     replay_examples: int = field("Retained training texts (GSM8K train) for the Replay and Output-KL objectives.", 128)
 
     def __post_init__(self) -> None:
-        bad = [d for d in self.domains if d not in RETAINED_DOMAINS]
-        if bad or not self.domains or len(set(self.domains)) != len(self.domains):
-            raise ConfigError(f"domains: expected distinct names from {RETAINED_DOMAINS}, got {self.domains!r}")
+        from evaluation.domains import validate_domains
+
+        try:
+            validate_domains(self.domains)
+        except ValueError as e:
+            raise ConfigError(str(e).removeprefix("retained.")) from e
         _positive(self, "kl_contexts", "kl_max_tokens", "gsm8k_questions", "csqa_questions", "max_new_tokens", "batch_size",
                   "replay_examples")
 
@@ -135,6 +141,11 @@ class UpdateConfig:
     @property
     def line_name(self) -> str:
         return self.line or self.skill
+
+    @property
+    def domain_names(self) -> list[str]:
+        """The configured retained domains by name (a JSONL domain's `name`)."""
+        return [d if isinstance(d, str) else d["name"] for d in self.retained.domains]
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -57,7 +57,7 @@ class Cycle:
     @property
     def members(self) -> list[str]:
         """The retained set R: configured domains, then released skills other than the one trained."""
-        return [*self.config.retained.domains, *(s.name for s in self.released)]
+        return [*self.config.domain_names, *(s.name for s in self.released)]
 
     @property
     def kl_layer(self) -> int:

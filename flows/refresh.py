@@ -87,7 +87,7 @@ def store_and_record(cycle: Cycle, path: Path, plan: dict, content_hash: str):
 
     store = cycle.platform.store
     artifact, manifest = store.put_file(path), store.put_file(path.with_suffix(".json"))
-    datasets = [ensure_dataset(cycle.ledger, info.get("dataset", m), "calibration", info.get("sha256", info.get("calibration")))
+    datasets = [ensure_dataset(cycle.ledger, info.get("dataset", m), "calibration", info["sha256"])
                 for m, info in plan["data"].items()]
     info = record_atlas(cycle.ledger, content_hash, cycle.backbone_id, cycle.layer,
                         {**plan, "manifest_sha256": manifest.sha256}, artifact, datasets)

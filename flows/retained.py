@@ -11,46 +11,42 @@ from __future__ import annotations
 from .cycle import Cycle
 from .skills import SkillSpec, skill_set, skill_texts
 
-# domain -> (gating split, calibration split, data file of each)
-BUILTIN = {"gsm8k": ("test", "train", "gsm8k/test.jsonl", "gsm8k/train.jsonl"),
-           "csqa": ("validation", "train", "csqa/dev_rand_split.jsonl", "csqa/train_rand_split.jsonl")}
-
 
 def _released(cycle: Cycle, member: str) -> SkillSpec | None:
     return next((s for s in cycle.released if s.name == member), None)
 
 
-def _domain_texts(cycle: Cycle, member: str, role: str, limit: int) -> list[str]:
-    from evaluation.contexts import retained_contexts
+def _domain(cycle: Cycle, member: str):
+    """The configured domain spec (a built-in name or a JSONL file's mapping) called `member`."""
+    return next(d for d in cycle.config.retained.domains if (d if isinstance(d, str) else d["name"]) == member)
 
-    gate_split, calib_split, _, _ = BUILTIN[member]
-    return retained_contexts(cycle.backbone.tokenizer, member, split=gate_split if role == "gate" else calib_split,
-                             limit=limit)[1]
+
+def _texts(cycle: Cycle, member: str, role: str, limit: int | None) -> list[str]:
+    from evaluation.domains import domain_contexts
+
+    spec = _released(cycle, member)
+    if spec is not None:
+        return skill_texts(cycle.backbone.tokenizer, spec, role, limit)
+    return domain_contexts(cycle.backbone.tokenizer, _domain(cycle, member), role, limit)[1]
 
 
 def gate_texts(cycle: Cycle, member: str) -> list[str]:
     """The member's retained-KL contexts (first `retained.kl_contexts` gating rows)."""
-    limit = cycle.config.retained.kl_contexts
-    spec = _released(cycle, member)
-    if spec is not None:
-        return skill_texts(cycle.backbone.tokenizer, spec, "gate", limit)
-    return _domain_texts(cycle, member, "gate", limit)
+    return _texts(cycle, member, "gate", cycle.config.retained.kl_contexts)
 
 
 def calibration_texts(cycle: Cycle, member: str, limit: int) -> list[str]:
     """The member's atlas calibration contexts (rows disjoint from its gating rows)."""
-    spec = _released(cycle, member)
-    if spec is not None:
-        return skill_texts(cycle.backbone.tokenizer, spec, "calibration", limit)
-    return _domain_texts(cycle, member, "calibration", limit)
+    return _texts(cycle, member, "calibration", limit)
 
 
 def calibration_rows(cycle: Cycle, member: str) -> int:
     """How many calibration rows the member has (built-in domains: their whole training split)."""
     spec = _released(cycle, member)
-    if spec is None:
-        return 10**9
-    return len(skill_set(SkillSpec(spec.name, spec.data | {"train_limit": None}, spec.target)).train)
+    if spec is not None:
+        return len(skill_set(SkillSpec(spec.name, spec.data | {"train_limit": None}, spec.target)).train)
+    domain = _domain(cycle, member)
+    return 10**9 if isinstance(domain, str) else len(_texts(cycle, member, "calibration", None))
 
 
 def share_examples(needed: int, available: dict[str, int]) -> dict[str, int]:
@@ -70,11 +66,11 @@ def share_examples(needed: int, available: dict[str, int]) -> dict[str, int]:
 
 def member_data(cycle: Cycle, member: str) -> dict:
     """What the member's texts are a function of (hashed into the atlas content hash)."""
-    from evaluation.datafiles import known
+    from evaluation.domains import domain_data_sha256
 
     spec = _released(cycle, member)
     if spec is not None:
         s = skill_set(spec)
         return {"skill": spec.name, "dataset": s.dataset_name, "sha256": s.sha256}
-    _, _, gate_file, calib_file = BUILTIN[member]
-    return {"gate": known(gate_file).sha256, "calibration": known(calib_file).sha256}
+    domain = _domain(cycle, member)
+    return {"domain": domain, "sha256": domain_data_sha256(domain)}

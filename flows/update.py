@@ -162,7 +162,7 @@ def update(config: str = DEFAULT_CONFIG, policy: str = DEFAULT_POLICY, backbone:
     cfg = load_update_config(config, backbone=backbone, skill=skill, line=line)
     if snapshot is not None:
         cfg = replace(cfg, data=replace(cfg.data, source=snapshot))
-    pol = load_policy(policy, cfg.retained.domains)
+    pol = load_policy(policy, cfg.domain_names)
     cycle = Cycle(cfg, pol, open_platform(), flow_run_id=flow_run.id)
     log = get_run_logger()
     try:

@@ -160,24 +160,58 @@ def test_a_candidate_that_regresses_a_released_skill_is_rejected_for_it(prefect_
         p.close()
 
 
-def test_rollback_to_base_retires_the_release_and_the_next_cycle_is_idle(prefect_harness, state, line_files):
+def test_rollback_to_base_retires_the_release_and_the_next_cycle_is_idle(prefect_harness, state, line_files,
+                                                                          tmp_path):
+    import yaml
+
     from flows.release import rollback
     from flows.update import update
-    from registry import alias_holder, get_model, resolve_version
+    from registry import alias_holder, get_model, latest_gate_decision, resolve_version
 
-    first = update(line_files["a"], line_files["pass"])
+    # A user's JSONL retained domain next to CSQA: its first rows gate (KL), the rest calibrate the atlas.
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text("".join(json.dumps({"id": f"n{i}", "prompt": f"Note {i}: what is {i} + {i}?",
+                                         "reference": f"{i} + {i} = {2 * i}."}) + "\n" for i in range(40)))
+    a = yaml.safe_load(Path(line_files["a"]).read_text())
+    a["retained"]["domains"] = ["csqa", {"name": "notes", "file": str(notes), "gate_rows": 8}]
+    config = write_yaml(line_files["cfg"] / "a-notes.yaml", a)
+    passing = write_yaml(line_files["cfg"] / "notes-pass.yaml", policy(
+        "tiny-notes", max_kl_vs_champion=LOOSE_KL | {"notes": 50.0}, max_kl_vs_base=LOOSE_KL | {"notes": 50.0}))
+    first = update(config, passing)
     assert first["outcome"] == "promoted"
     rollback(first["model"], "regression reported by users")
     p = _open()
     try:
         model = get_model(p.ledger, first["model"])
         assert alias_holder(p.ledger, model.id) is None  # the base serves
-        assert resolve_version(p.ledger, model.id, first["champion"]).status == "retired"
+        v1 = resolve_version(p.ledger, model.id, first["champion"])
+        assert v1.status == "retired"
+        checks = {c.name: c for c in latest_gate_decision(p.ledger, v1.id).checks}
+        assert checks["kl_vs_champion[notes]"].measured is not None and "nfr_upper_vs_base[notes]" not in checks
     finally:
         p.close()
     counts = ledger_counts(state)
-    again = update(line_files["a"], line_files["pass"])
+    again = update(config, passing)
     assert again["outcome"] == "idle" and again["champion"].endswith("-base")
     assert ledger_counts(state) == counts  # no new versions, decisions or releases
 
 
+
+
+@pytest.mark.parametrize("where, value, message", [
+    ("target", {"scorer": "reference-nl", "options": {}}, "did you mean 'reference-nll'"),
+    ("target", {"scorer": "reference-nll", "options": {"limt": 4}}, "target.options.limt"),
+    ("target", {"scorer": "tests.test_flows_continual:NoSuchFactory"}, "has no attribute 'NoSuchFactory'"),
+    ("retained", RETAINED | {"domains": ["csqa", {"name": "notes", "fiel": "x.jsonl"}]}, "retained.domains[1]"),
+])
+def test_a_typo_in_a_scorer_or_domain_is_rejected_before_training(prefect_harness, state, line_files, where, value,
+                                                                  message):
+    import yaml
+
+    from flows.update import update
+
+    a = yaml.safe_load(Path(line_files["a"]).read_text()) | {where: value}
+    with pytest.raises(ValueError) as err:
+        update(write_yaml(line_files["cfg"] / "typo.yaml", a), line_files["pass"])
+    assert message in str(err.value)
+    assert not (state / "runs").exists()  # nothing trained
