@@ -1,4 +1,4 @@
-"""The release-level commands of `atlas`: update, serve, status, compare, history, rollback, gate."""
+"""The release-level commands of `atlas`: update, serve, status, compare, history, rollback, renominate, gate."""
 from __future__ import annotations
 
 import argparse
@@ -131,6 +131,22 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_renominate(args: argparse.Namespace) -> int:
+    """A retired (rolled-back) version may be promoted again by later cycles; the alias does not move."""
+    from registry import renominate, resolve_version
+
+    p = _platform()
+    try:
+        model = _model(p, args)
+        version = resolve_version(p.ledger, model.id, args.version)
+        release = renominate(p.ledger, version.id, args.reason)
+    finally:
+        p.close()
+    print(f"{model.name}: {version.name} re-nominated (release #{release.id}); a later cycle gates it again "
+          f"against the champion; reason recorded: {args.reason}")
+    return 0
+
+
 def cmd_gate(args: argparse.Namespace) -> int:
     from registry import get_version, latest_gate_decision, resolve_version
 
@@ -195,6 +211,10 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("rollback", parents=[common, model], help="move champion back to the previous holder")
     p.add_argument("--reason", required=True, help="why (recorded in the ledger and shown in history)")
     p.set_defaults(func=cmd_rollback)
+    p = sub.add_parser("renominate", parents=[common, model], help="make a rolled-back (retired) version a candidate again")
+    p.add_argument("version", help="version: name, mlflow:<n> or #<id>")
+    p.add_argument("--reason", required=True, help="why (recorded in the ledger)")
+    p.set_defaults(func=cmd_renominate)
     p = sub.add_parser("gate", parents=[common, model], help="explain a version's gate decision check by check")
     p.add_argument("--explain", required=True, metavar="VERSION", help="version: name, champion, mlflow:<n> or #<id>")
     p.add_argument("--json", action="store_true")

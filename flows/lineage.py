@@ -7,7 +7,8 @@ Both read the ledger through registry's public functions only:
   snapshot it would teach is already taught by the champion's chain, or when every
   candidate it would train already exists, finished, and was gated against this champion
   with this policy and these evaluation settings (a rerun); rolled-back (retired) versions
-  count as decided: no cycle promotes them again unless a person re-nominates them.
+  count as decided: no cycle promotes them again unless a person re-nominates them, after
+  which the next cycle gates them again.
 """
 from __future__ import annotations
 
@@ -41,8 +42,10 @@ def taught_by_chain(cycle: Cycle, skill_sha256: str) -> Optional[str]:
 def already_gated(cycle: Cycle, run_keys: list[tuple[str, int, str]], eval_key: str) -> bool:
     """Every (method, seed, run key) is a finished run whose candidate versions are all retired
     or gated against the current champion with this policy and these evaluation settings."""
-    from registry import evaluation_extra, find_training_run, latest_gate_decision, run_versions
+    from registry import evaluation_extra, find_training_run, latest_gate_decision, list_releases, run_versions
 
+    renominated = {r.version_id: r.created_at for r in list_releases(cycle.ledger, cycle.model.id)
+                   if r.action == "renominate"}
     for method, seed, key in run_keys:
         found = find_training_run(cycle.ledger, cycle.backbone_id, cycle.skill.name, method, seed, key,
                                   model_id=cycle.model.id)
@@ -55,6 +58,7 @@ def already_gated(cycle: Cycle, run_keys: list[tuple[str, int, str]], eval_key: 
             if (decision is None or decision.release_version_id != (None if cycle.champion.version.is_base
                                                                     else cycle.champion.version.id)
                     or decision.policy_name != cycle.policy.label or decision.evaluation_id is None
+                    or renominated.get(version.id, decision.created_at) > decision.created_at
                     or evaluation_extra(cycle.ledger, decision.evaluation_id).get("eval_key") != eval_key):
                 return False
     return True
