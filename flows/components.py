@@ -4,13 +4,6 @@ the built-ins and a user's 'package.module:Factory', all built from YAML).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-
-import torch
-
-from .config import UpdateConfig, resolve
 
 TINY_BACKBONE = "tiny-llama"
 
