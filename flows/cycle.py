@@ -109,6 +109,7 @@ class Applied:
 
     version: object
     chain: object  # atlas_core.chain.Chain
+    deltas: list = field(default_factory=list)  # registry.VersionInfo of the chain, oldest first
 
     @contextmanager
     def on_model(self, model):
@@ -123,7 +124,7 @@ def apply_version(cycle: Cycle, version) -> Applied:
     from registry import version_chain
 
     chain = [] if version.is_base else version_chain(cycle.ledger, version.id)
-    return Applied(version, Chain([load_version_delta(cycle, v) for v in chain]))
+    return Applied(version, Chain([load_version_delta(cycle, v) for v in chain]), chain)
 
 
 def kl_set(cycle: Cycle, member: str):

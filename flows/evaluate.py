@@ -27,6 +27,11 @@ Answers = dict  # question id -> registry.AnswerRecord
 SKILL = "skill:"  # answer kinds of released skills: "skill:<name>"
 
 
+def scorer_for(cycle: Cycle, kind: str, scorer):
+    """The target scorer, or a released skill's scorer for kind "skill:<name>"."""
+    return scorer if kind == "target" else cycle.released_scorers[kind[len(SKILL):]]
+
+
 def answer_sets(cycle: Cycle, scorer) -> dict[str, str]:
     """kind -> ledger dataset name of the answers each evaluation needs."""
     r = cycle.config.retained
@@ -43,10 +48,8 @@ def question_ids(cycle: Cycle, kind: str, scorer) -> list[str]:
     from evaluation.data import load_csqa, load_gsm8k
 
     r = cycle.config.retained
-    if kind == "target":
-        return scorer.problem_ids()
-    if kind.startswith(SKILL):
-        return cycle.released_scorers[kind[len(SKILL):]].problem_ids()
+    if kind == "target" or kind.startswith(SKILL):
+        return scorer_for(cycle, kind, scorer).problem_ids()
     rows = load_gsm8k("test") if kind == "gsm8k" else load_csqa("validation")
     return list(rows["id"][: r.gsm8k_questions if kind == "gsm8k" else r.csqa_questions])
 
@@ -57,8 +60,8 @@ def _generate(cycle: Cycle, applied: Applied, kind: str, scorer) -> dict[str, tu
     bb, r = cycle.backbone, cycle.config.retained
     with applied.on_model(bb.model):
         if kind == "target" or kind.startswith(SKILL):
-            s = scorer if kind == "target" else cycle.released_scorers[kind[len(SKILL):]]
-            return {q: (ps.answer, ps.correct) for q, ps in s.score(bb.model, bb.tokenizer).items()}
+            scored = scorer_for(cycle, kind, scorer).score(bb.model, bb.tokenizer)
+            return {q: (ps.answer, ps.correct) for q, ps in scored.items()}
         if kind == "gsm8k":
             got = eval_gsm8k(bb.model, bb.tokenizer, limit=r.gsm8k_questions, max_new_tokens=r.max_new_tokens,
                              batch_size=r.batch_size).answers
@@ -81,15 +84,13 @@ def version_answers(cycle: Cycle, applied: Applied, kind: str, dataset: str, ids
     return {q: stored[q] for q in ids}
 
 
-def value_of(scorer, answer) -> float:
-    """A stored answer's per-problem value: 1/0 for solved-problem scorers, else the number the
-    scorer wrote as its answer (e.g. reference-nll's mean NLL)."""
-    return float(answer.correct) if scorer.aggregate == "sum" else float(answer.answer)
+def problem_scores(scorer, answers: Answers) -> dict:
+    """Stored answers back as the scorer's ProblemScores (a 'mean' scorer's value is in `answer`)."""
+    return {q: scorer.restore(a.answer, a.correct) for q, a in answers.items()}
 
 
 def score_of(scorer, answers: Answers) -> float:
-    values = [value_of(scorer, a) for a in answers.values()]
-    return sum(values) if scorer.aggregate == "sum" else (sum(values) / len(values) if values else math.nan)
+    return scorer.summarise(problem_scores(scorer, answers)) if answers else math.nan
 
 
 def regression(scorer, reference: Answers, new: Answers) -> Regression:
@@ -98,8 +99,8 @@ def regression(scorer, reference: Answers, new: Answers) -> Regression:
     from statistics import fmean, pstdev
 
     sign = 1.0 if scorer.higher_is_better else -1.0
-    shared = [q for q in reference if q in new]
-    drops = [sign * (value_of(scorer, reference[q]) - value_of(scorer, new[q])) for q in shared]
+    ref, got = problem_scores(scorer, reference), problem_scores(scorer, new)
+    drops = [sign * (ref[q].value - got[q].value) for q in ref if q in got]
     if not drops:
         return Regression(0, None, None, None, None)
     return Regression(len(drops), score_of(scorer, reference), score_of(scorer, new), fmean(drops),

@@ -19,11 +19,9 @@ from .cycle import Cycle
 
 def chain_specs(cycle: Cycle) -> list[tuple[object, dict]]:
     """(version, its training run's stored config) for every delta of the champion's chain."""
-    from registry import training_run_config, version_chain
+    from registry import training_run_config
 
-    if cycle.champion.version.is_base:
-        return []
-    return [(v, training_run_config(cycle.ledger, v.training_run_id)) for v in version_chain(cycle.ledger, cycle.champion.version.id)]
+    return [(v, training_run_config(cycle.ledger, v.training_run_id)) for v in cycle.champion.deltas]
 
 
 def chain_skill_specs(cycle: Cycle) -> list[dict]:

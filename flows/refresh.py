@@ -28,14 +28,9 @@ def atlas_plan(cycle: Cycle, variant: str) -> dict:
     examples = share_examples(math.ceil(spec.num_vectors / spec.per_example), {m: calibration_rows(cycle, m) for m in members})
     return {"backbone": cycle.backbone.name, "revision": cycle.backbone.revision, "dtype": cycle.backbone.dtype,
             "layer": cycle.layer, "variant": variant, "config": asdict(spec),
-            "champion_chain": [v.adapter_sha256 for v in champion_chain(cycle)],
+            "champion_chain": [v.adapter_sha256 for v in cycle.champion.deltas],
             "data": {m: member_data(cycle, m) | {"examples": examples[m]} for m in members}}
 
-
-def champion_chain(cycle: Cycle) -> list:
-    from registry import version_chain
-
-    return [] if cycle.champion.version.is_base else version_chain(cycle.ledger, cycle.champion.version.id)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
