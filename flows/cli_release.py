@@ -178,7 +178,7 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     from .platform import DEFAULT_CONFIG, DEFAULT_POLICY
 
     model = argparse.ArgumentParser(add_help=False)
-    model.add_argument("--line", "--skill", dest="line", default="code",
+    model.add_argument("--line", "--skill", dest="line", default="assistant",
                        help="release line of the registered model (default: %(default)s)")
     model.add_argument("--model", default=None, help="registered model name (default: <backbone>.<line>)")
     cycle = argparse.ArgumentParser(add_help=False)
