@@ -100,3 +100,26 @@ def churn_bars(churn_by_model: Mapping[str, Mapping[str, float]], path: str | Pa
     ax.set_title(title)
     ax.legend()
     return _save(fig, path)
+
+
+def line_history_plot(releases: Sequence[str], skills: Sequence[str], scores: Sequence[Sequence[float | None]],
+                      kl_vs_base: Sequence[Mapping[str, float | None]], path: str | Path) -> Path:
+    """A release line across releases t = 0..T: each skill's score (left; the skill's own
+    units) and the retained KL vs the base per domain (right)."""
+    t = list(range(len(releases)))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11.0, 4.0))
+    for i, skill in enumerate(skills):
+        points = [(x, row[i]) for x, row in zip(t, scores) if row[i] is not None]
+        if points:
+            left.plot(*zip(*points), marker="o", label=skill)
+    left.set(xlabel="release t", ylabel="score R[t][i]", title="Skills across releases")
+    for domain in sorted({d for row in kl_vs_base for d in row}):
+        points = [(x, row[domain]) for x, row in zip(t, kl_vs_base) if row.get(domain) is not None]
+        if points:
+            right.plot(*zip(*points), marker="o", label=domain)
+    right.set(xlabel="release t", ylabel="nats/token", title="Retained KL vs the base")
+    for ax in (left, right):
+        ax.set_xticks(t, [f"{x}" for x in t])
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    return _save(fig, path)

@@ -106,12 +106,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_history(args: argparse.Namespace) -> int:
-    from registry import format_history, release_history
+    from registry import alias_holder, format_history, release_history
+
+    from .history import line_history
 
     p = _platform()
     try:
-        rows = release_history(p.ledger, _model(p, args).id)
+        model = _model(p, args)
+        rows = release_history(p.ledger, model.id)
         print(format_history(rows, markdown=args.markdown) if rows else "no releases yet")
+        champion = alias_holder(p.ledger, model.id)
+        if champion is not None:
+            print(f"\nthe line up to {champion.name}: score matrix R[t][i], OP_t, BWT_t (TRACE), KL vs base\n")
+            print(line_history(p.ledger, model.id, champion.id).to_markdown())
     finally:
         p.close()
     return 0

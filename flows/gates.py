@@ -12,7 +12,7 @@ from typing import Optional
 
 from registry import GateCheckRecord
 
-from .policy import RELEASED, ReleasePolicy
+from .policy import ANSWERED, RELEASED, ReleasePolicy
 
 KL_TOLERANCE = 1e-6  # KL is >= 0 in exact arithmetic; fp32 rounding can dip a hair below
 
@@ -120,14 +120,21 @@ def target_check(c: CandidateMetrics, policy: ReleasePolicy) -> GateCheckRecord:
                            f"solved {c.target_solved}/{c.target_total}")
 
 
-def kl_checks(c: CandidateMetrics, policy: ReleasePolicy) -> list[GateCheckRecord]:
+def _watched(limits: dict, domains: Optional[list[str]]) -> list[tuple[str, float]]:
+    """(domain, limit) to check: the cycle's watched domains (a limit the policy lacks is NaN and
+    fails closed), or every domain the policy names when the watched set is not given. A shared
+    policy may name domains another cycle does not watch; those are not this cycle's checks."""
+    if domains is None:
+        return sorted((d, v) for d, v in limits.items() if d != RELEASED)
+    return [(d, limits.get(d, math.nan)) for d in sorted(domains)]
+
+
+def kl_checks(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[list[str]] = None) -> list[GateCheckRecord]:
     """Retained KL on every configured domain (vs champion and vs base) and on every released
     skill (vs champion only: a released skill moved away from the base by design)."""
     out = []
     for which, limits in (("kl_vs_champion", policy.max_kl_vs_champion), ("kl_vs_base", policy.max_kl_vs_base)):
-        for domain, limit in sorted(limits.items()):
-            if domain == RELEASED:
-                continue
+        for domain, limit in _watched(limits, domains):
             value = getattr(c, which).get(domain)
             check = _upper_check(f"{which}[{domain}]", limit, value, -KL_TOLERANCE, detail="nats/token")
             out.append(check)
@@ -158,11 +165,12 @@ def no_regression_checks(c: CandidateMetrics, policy: ReleasePolicy) -> list[Gat
     return out
 
 
-def nfr_checks(c: CandidateMetrics, policy: ReleasePolicy) -> list[GateCheckRecord]:
+def nfr_checks(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[list[str]] = None) -> list[GateCheckRecord]:
     out, nfr = [], policy.nfr
     label = f"{'Wilson' if nfr.bound == 'wilson' else 'Clopper-Pearson'} {nfr.confidence:.0%} upper bound"
+    answered = None if domains is None else [d for d in domains if d in ANSWERED]
     for which, limits in (("vs_champion", nfr.max_vs_champion), ("vs_base", nfr.max_vs_base)):
-        for domain, limit in sorted(limits.items()):
+        for domain, limit in _watched(limits, answered):
             flips = getattr(c, f"flips_{which}").get(domain)
             name = f"nfr_upper_{which}[{domain}]"
             if flips is None or flips.n <= 0:
@@ -177,8 +185,8 @@ def nfr_checks(c: CandidateMetrics, policy: ReleasePolicy) -> list[GateCheckReco
     return out
 
 
-def churn_check(c: CandidateMetrics, policy: ReleasePolicy) -> list[GateCheckRecord]:
-    if policy.max_csqa_choice_churn is None:
+def churn_check(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[list[str]] = None) -> list[GateCheckRecord]:
+    if policy.max_csqa_choice_churn is None or (domains is not None and "csqa" not in domains):
         return []
     return [_upper_check("csqa_choice_churn_vs_champion", policy.max_csqa_choice_churn, c.csqa_choice_churn, 0.0, 1.0,
                          "share of questions whose chosen option changed")]
@@ -194,9 +202,10 @@ def finite_check(c: CandidateMetrics) -> GateCheckRecord:
                            f"non-finite: {', '.join(bad)}" if bad else "no NaN/inf")
 
 
-def run_checks(c: CandidateMetrics, policy: ReleasePolicy) -> list[GateCheckRecord]:
-    return [target_check(c, policy), *kl_checks(c, policy), *no_regression_checks(c, policy), *nfr_checks(c, policy),
-            *churn_check(c, policy), finite_check(c)]
+def run_checks(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[list[str]] = None) -> list[GateCheckRecord]:
+    """Every check of the policy; `domains`: the configured retained domains the cycle watches."""
+    return [target_check(c, policy), *kl_checks(c, policy, domains), *no_regression_checks(c, policy),
+            *nfr_checks(c, policy, domains), *churn_check(c, policy, domains), finite_check(c)]
 
 
 def passed(checks: list[GateCheckRecord]) -> bool:

@@ -63,7 +63,7 @@ def gate(cycle: Cycle, candidates: list[CandidateMetrics], champion_id: Optional
     log = get_run_logger()
     out = GateOutcome()
     for m in candidates:
-        out.checks[m.version_id] = run_checks(m, cycle.policy)
+        out.checks[m.version_id] = run_checks(m, cycle.policy, cycle.config.domain_names)
         out.decisions[m.version_id] = record_decision(cycle, m, out.checks[m.version_id], champion_id)
         failed = [c.name for c in out.checks[m.version_id] if not c.passed]
         log.info(f"{m.name}: {'PASS' if not failed else 'REJECT (' + ', '.join(failed) + ')'}")

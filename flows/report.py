@@ -1,7 +1,8 @@
-"""The cycle report: markdown with the gate tables, the comparison with the champion and two plots.
+"""The cycle report: markdown with the gate tables, the line's history, the comparison with the
+champion and plots.
 
 Written atomically into `<state>/reports/<model>/<time>-<flow run>/` (report.md, gate.json,
-tradeoff.png, churn.png); `<state>/reports/<model>/LATEST` names the newest folder.
+tradeoff.png, churn.png, history.png); `<state>/reports/<model>/LATEST` names the newest folder.
 """
 from __future__ import annotations
 
@@ -71,17 +72,26 @@ def plots(folder: Path, candidates: list[CandidateMetrics]) -> list[str]:
 
 
 def write_report(folder: Path, header: dict, outcome_text: str, candidates: list[CandidateMetrics], outcome,
-                 comparison_md: str | None, where: list[str]) -> Path:
+                 comparison_md: str | None, where: list[str], history=None) -> Path:
+    """`history`: the line's flows.history.LineHistory after the cycle (None: no release yet)."""
     from registry import atomic_write_text
 
     folder.mkdir(parents=True, exist_ok=True)
     images = plots(folder, candidates)
+    if history is not None:
+        from evaluation.plots import line_history_plot
+
+        line_history_plot(history.releases, history.skills, history.scores, history.kl_vs_base, folder / "history.png")
+        images.append("history.png")
     selected_id = outcome.selected.version_id if outcome.selected else None
     lines = [f"# Update cycle: {header['model']}", ""]
     lines += [f"- **{k}**: {v}" for k, v in header.items() if k != "model"]
     lines += ["", "## Outcome", "", outcome_text, "", "## Gate", ""]
     lines += summary_table(candidates, outcome, selected_id) if candidates else ["No new candidates this cycle."]
     lines += check_tables(candidates, outcome)
+    if history is not None:
+        lines += ["", "## The line", "", "Score matrix R[t][i] of release t on the skill release i taught, with "
+                  "TRACE's overall performance OP_t and backward transfer BWT_t:", "", history.to_markdown()]
     if comparison_md:
         lines += ["", "## Comparison with the champion", "", comparison_md]
     if images:

@@ -97,6 +97,23 @@ def outcome_text(cycle, outcome, release, champion, candidates) -> str:
         + "\n".join(reasons)
 
 
+def line_after(cycle, release):
+    """The line's history after this cycle (None while only the base serves); a promotion also
+    logs the newest row (R[T][i], OP, BWT, KL vs base) on the promoted version's MLflow run."""
+    from registry import alias_holder, ensure_mlflow_run
+
+    from .history import line_history
+
+    champion = alias_holder(cycle.ledger, cycle.model.id)
+    if champion is None:
+        return None
+    history = line_history(cycle.ledger, cycle.model.id, champion.id)
+    if release is not None:
+        run_id = ensure_mlflow_run(cycle.ledger, cycle.platform.bridge, champion.training_run_id)
+        cycle.platform.bridge.log_metrics(run_id, history.metrics(), champion.step)
+    return history
+
+
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3)
 def publish_report(cycle, candidates, outcome, champion, release) -> str:
     """Write the report, then publish it as a Prefect artifact and as an MLflow run's artifacts."""
@@ -117,7 +134,8 @@ def publish_report(cycle, candidates, outcome, champion, release) -> str:
              f"History: `atlas history --model {model.name}`",
              f"Explain a verdict: `atlas gate --explain VERSION --model {model.name}`"]
     text = outcome_text(cycle, outcome, release, champion, candidates)
-    path = write_report(folder, header, text, candidates, outcome, comparison, where)
+    history = line_after(cycle, release)
+    path = write_report(folder, header, text, candidates, outcome, comparison, where, history)
     create_markdown_artifact(key="update-report", markdown=path.read_text(), description=f"{model.name}: {text[:200]}")
     run_id = p.bridge.start_run(model.backbone, model.line, f"update-cycle-{folder.name}",
                                 {"policy": cycle.policy.label, "config": cycle.config.name,

@@ -62,7 +62,9 @@ def _open():
 
 def test_three_releases_build_a_chain_and_keep_released_skills(prefect_harness, state, line_files):
     from flows.update import update
-    from registry import get_model, latest_gate_decision, list_versions, resolve_version, version_chain
+    from flows.history import line_history
+    from registry import (evaluation_extra, get_model, latest_evaluation, latest_gate_decision, list_versions,
+                          resolve_version, version_chain)
 
     first = update(line_files["a"], line_files["pass"])
     assert first["outcome"] == "promoted"
@@ -100,8 +102,19 @@ def test_three_releases_build_a_chain_and_keep_released_skills(prefect_harness, 
         checks = {c.name for c in latest_gate_decision(p.ledger, v3.id).checks}
         assert "no_regression[b]" in checks and "no_regression[a]" not in checks  # a is the skill taught now
         assert len([v for v in list_versions(p.ledger, model.id) if not v.is_base]) == 3
+        history = line_history(p.ledger, model.id, v3.id)
+        v1_score = evaluation_extra(p.ledger, latest_evaluation(p.ledger, v1.id).id)["target_score"]
     finally:
         p.close()
+    # The line's score matrix from stored answers: R[1][1] is v1's own target score, later rows
+    # hold what B's and A's evaluations measured of the skills released before them.
+    assert history.releases[0].endswith("-base") and history.releases[1:] == [v.name for v in chain]
+    assert history.skills == ["a", "b", "a"] and history.parents[1:] == history.releases[:3]
+    assert history.scores[1][0] == pytest.approx(v1_score)
+    assert all(history.scores[t][i] is not None for t, i in ((2, 0), (2, 1), (3, 1), (3, 2)))
+    assert history.bwt(2) == pytest.approx(-(history.scores[2][0] - history.scores[1][0]))  # NLL: lower is better
+    report = Path(third["report"])
+    assert "## The line" in report.read_text() and (report.parent / "history.png").is_file()
 
     counts = ledger_counts(state)
     assert counts["atlases"] == 3

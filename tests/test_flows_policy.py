@@ -33,6 +33,11 @@ def test_shipped_policies_and_configs_validate():
         assert p.label.startswith(f"{name}@")
     for name in ("default", "ci"):
         assert load_update_config(f"configs/update/{name}.yaml").retained.domains == DOMAINS
+    # Every shipped update config with the policy it runs under: watched domains and released skills covered.
+    for config, policy_name, released in (("default", "default", []), ("gsm8k-format", "gsm8k-format", ["code"]),
+                                          ("ci", "ci", []), ("ci-v2", "ci", ["code-ci"]), ("gpu", "strict", [])):
+        cfg = load_update_config(f"configs/update/{config}.yaml")
+        load_policy(f"configs/policy/{policy_name}.yaml", cfg.domain_names).require_released(released)
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -134,3 +139,16 @@ def test_every_deployment_pairs_a_policy_with_answer_sets_it_can_pass():
         for limits in (policy.nfr.max_vs_champion, policy.nfr.max_vs_base):
             for domain, limit in limits.items():
                 assert policy.nfr.upper(0, sizes[domain]) <= limit, (name, domain)
+
+
+def test_a_shared_policy_checks_the_domains_the_cycle_watches_and_fails_closed_on_a_missing_limit():
+    only_csqa = candidate(kl_vs_base={"csqa": 0.03}, kl_vs_champion={"csqa": 0.02},
+                          flips_vs_base={"csqa": Flips(40, 1, 2, 0)}, flips_vs_champion={"csqa": Flips(40, 0, 1, 0)})
+    checks = run_checks(only_csqa, policy(), ["csqa"])  # the policy also names gsm8k: not this cycle's domain
+    assert passed(checks), [c for c in checks if not c.passed]
+    assert not [c.name for c in checks if "gsm8k" in c.name]
+    assert not passed(run_checks(only_csqa, policy()))  # without the watched set every named domain is checked
+    notes = {c.name: c for c in run_checks(candidate(kl_vs_base={"notes": 0.0}, kl_vs_champion={"notes": 0.0}),
+                                           policy(), ["notes"])}
+    assert not notes["kl_vs_base[notes]"].passed and math.isnan(notes["kl_vs_base[notes]"].threshold)
+    assert "csqa_choice_churn_vs_champion" not in notes  # csqa is not watched
