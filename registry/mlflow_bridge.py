@@ -95,6 +95,15 @@ class MlflowBridge:
         for i in range(0, len(items), 1000):
             self.client.log_batch(run_id, metrics=items[i:i + 1000])
 
+    def log_dataset(self, run_id: str, name: str, sha256: str, source: str, context: str = "training") -> None:
+        """A dataset input of a run (`mlflow.log_input`), identified by content: MLflow keeps at most
+        36 characters of digest, so the digest is the sha256's first 32 and `source` holds all of it."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        dataset = Dataset(name=name, digest=sha256[:32], source_type="ledger", source=source)
+        self.client.log_inputs(run_id, datasets=[DatasetInput(dataset, [InputTag(MLFLOW_DATASET_CONTEXT, context)])])
+
     def set_run_tags(self, run_id: str, tags: dict[str, str]) -> None:
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 

@@ -13,7 +13,7 @@ from registry.db import Ledger, LedgerError
 from registry.lineage import link_mlflow_run
 from registry.lines import get_version, set_mlflow_version, short_backbone, version_chain
 from registry.mlflow_bridge import MlflowBridge
-from registry.models import Atlas, Backbone, Checkpoint, RegisteredModel, TrainingRun
+from registry.models import Atlas, Backbone, Checkpoint, Dataset, RegisteredModel, TrainingRun
 from registry.results import get_answers, latest_gate_decision
 from registry.rows import require_row
 from registry.store import ArtifactStore, atomic_write_text
@@ -28,6 +28,8 @@ def ensure_mlflow_run(ledger: Ledger, bridge: MlflowBridge, training_run_id: int
         run = require_row(s, TrainingRun, training_run_id, "training run")
         backbone = s.get(Backbone, run.backbone_id)
         atlas = s.get(Atlas, run.atlas_id) if run.atlas_id is not None else None
+        dataset = s.get(Dataset, run.dataset_id) if run.dataset_id is not None else None
+        data = (dataset.name, dataset.split, dataset.sha256) if dataset else None
         if run.mlflow_run_id:
             return run.mlflow_run_id
         # One experiment per line; a run recorded without a line belongs to the line of its skill.
@@ -46,6 +48,10 @@ def ensure_mlflow_run(ledger: Ledger, bridge: MlflowBridge, training_run_id: int
         name = f"{short_backbone(facts['backbone'])}-{facts['skill']}-{facts['method']}-s{facts['seed']}"
         run_id = bridge.start_run(facts["backbone"], facts["line"], name, params,
                                   tags={RUN_TAG: str(training_run_id)})
+        if data is not None:  # the skill's data snapshot, by content
+            name, split, sha256 = data
+            bridge.log_dataset(run_id, f"{name}:{split}", sha256, json.dumps({"dataset": name, "split": split,
+                                                                            "sha256": sha256}, sort_keys=True))
     link_mlflow_run(ledger, training_run_id, run_id)
     return run_id
 

@@ -179,7 +179,7 @@ def test_rollback_to_base_retires_the_release_and_the_next_cycle_is_idle(prefect
 
     from flows.release import rollback
     from flows.update import update
-    from registry import alias_holder, get_model, latest_gate_decision, resolve_version
+    from registry import alias_holder, get_model, latest_gate_decision, resolve_version, sha256_file
 
     # A user's JSONL retained domain next to CSQA: its first rows gate (KL), the rest calibrate the atlas.
     notes = tmp_path / "notes.jsonl"
@@ -201,6 +201,10 @@ def test_rollback_to_base_retires_the_release_and_the_next_cycle_is_idle(prefect
         assert v1.status == "retired"
         checks = {c.name: c for c in latest_gate_decision(p.ledger, v1.id).checks}
         assert checks["kl_vs_champion[notes]"].measured is not None and "nfr_upper_vs_base[notes]" not in checks
+        # The skill's data snapshot is a dataset input of the MLflow training run, identified by content.
+        (dataset,) = [d.dataset for d in p.bridge.client.get_run(v1.mlflow_run_id).inputs.dataset_inputs]
+        snapshot_sha = sha256_file(line_files["snapshots"] / "a1.jsonl")
+        assert dataset.digest == snapshot_sha[:32] and json.loads(dataset.source)["sha256"] == snapshot_sha
     finally:
         p.close()
     counts = ledger_counts(state)
