@@ -172,6 +172,7 @@ def _evaluation_metrics(ev: Optional[EvaluationInfo], version: VersionInfo) -> d
 def resolve_version(ledger: Ledger, model: int | str, ref: str) -> VersionInfo:
     """A version of `model` named the way people name it on a command line:
     'base', an alias ('champion', 'candidate'), 'mlflow:<n>', '#<ledger id>' or a version name.
+    'champion' while nobody holds it is the base version: the base is what serves then.
 
     The form of `ref` decides what it is matched against, and names are unique within a
     line, so a reference never matches two versions.
@@ -181,6 +182,8 @@ def resolve_version(ledger: Ledger, model: int | str, ref: str) -> VersionInfo:
         return base_version(ledger, info.id)
     if ref in MANAGED_ALIASES:
         holder = alias_holder(ledger, info.id, ref)
+        if holder is None and ref == "champion":  # nobody holds it (never released, or rolled back to the base)
+            return base_version(ledger, info.id)
         if holder is None:
             raise LedgerError(f"{info.name}: nobody holds {ref!r}")
         return holder

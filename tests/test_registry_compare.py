@@ -141,8 +141,9 @@ def test_versions_are_found_by_the_names_people_use(ledger, store):
     assert r.resolve_version(ledger, name, "base").id == base.id
     assert r.resolve_version(ledger, model_id, v2.name).id == v2.id
     assert r.resolve_version(ledger, model_id, f"#{v1.id}").id == v1.id
-    with pytest.raises(r.LedgerError, match="nobody holds 'champion'"):
-        r.resolve_version(ledger, model_id, "champion")
+    assert r.resolve_version(ledger, model_id, "champion").id == base.id  # before any release the base serves
+    with pytest.raises(r.LedgerError, match="nobody holds 'candidate'"):
+        r.resolve_version(ledger, model_id, "candidate")
     gate_pass(ledger, v1.id, None)
     r.promote(ledger, None, v1.id)
     assert r.resolve_version(ledger, model_id, "champion").id == v1.id
