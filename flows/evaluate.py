@@ -13,12 +13,12 @@ the same champion with the same settings (`UpdateConfig.eval_key`) is reused as 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from .cycle import Applied, Cycle, apply_version, reference, retained_kl
+from .cycle import Applied, CycleContext
 from .gates import CandidateMetrics, Flips, Regression
 
 Answers = dict  # question id -> registry.AnswerRecord
@@ -27,16 +27,26 @@ Answers = dict  # question id -> registry.AnswerRecord
 SKILL = "skill:"  # answer kinds of released skills: "skill:<name>"
 
 
-def scorer_for(cycle: Cycle, kind: str, scorer):
+def scorer_for(ctx: CycleContext, kind: str):
     """The target scorer, or a released skill's scorer for kind "skill:<name>"."""
-    return scorer if kind == "target" else cycle.released_scorers[kind[len(SKILL):]]
+    from .runtime import scorer
+
+    if kind == "target":
+        return scorer(ctx.skill)
+    return scorer(next(s for s in ctx.released if s.name == kind[len(SKILL):]))
 
 
-def answer_sets(cycle: Cycle, scorer) -> dict[str, str]:
+def released_scorers(ctx: CycleContext) -> dict:
+    from .runtime import scorer
+
+    return {s.name: scorer(s) for s in ctx.released}
+
+
+def answer_sets(ctx: CycleContext) -> dict[str, str]:
     """kind -> ledger dataset name of the answers each evaluation needs."""
-    r = cycle.config.retained
-    sets = {"target": scorer.dataset}
-    sets |= {SKILL + name: s.dataset for name, s in cycle.released_scorers.items()}
+    r = ctx.config.retained
+    sets = {"target": scorer_for(ctx, "target").dataset}
+    sets |= {SKILL + name: s.dataset for name, s in released_scorers(ctx).items()}
     if "gsm8k" in r.domains:
         sets["gsm8k"] = f"gsm8k@{r.max_new_tokens}tok"
     if "csqa" in r.domains:
@@ -44,42 +54,46 @@ def answer_sets(cycle: Cycle, scorer) -> dict[str, str]:
     return sets
 
 
-def question_ids(cycle: Cycle, kind: str, scorer) -> list[str]:
+def question_ids(ctx: CycleContext, kind: str) -> list[str]:
     from evaluation.data import load_csqa, load_gsm8k
 
-    r = cycle.config.retained
+    r = ctx.config.retained
     if kind == "target" or kind.startswith(SKILL):
-        return scorer_for(cycle, kind, scorer).problem_ids()
+        return scorer_for(ctx, kind).problem_ids()
     rows = load_gsm8k("test") if kind == "gsm8k" else load_csqa("validation")
     return list(rows["id"][: r.gsm8k_questions if kind == "gsm8k" else r.csqa_questions])
 
 
-def _generate(cycle: Cycle, applied: Applied, kind: str, scorer) -> dict[str, tuple[str | None, bool]]:
+def _generate(ctx: CycleContext, applied: Applied, kind: str) -> dict[str, tuple[str | None, bool]]:
     from evaluation.tasks import eval_csqa_choice, eval_gsm8k
 
-    bb, r = cycle.backbone, cycle.config.retained
-    with applied.on_model(bb.model):
+    from .runtime import applied_on, backbone
+
+    tokenizer, r = backbone(ctx.backbone).tokenizer, ctx.config.retained
+    with applied_on(ctx, applied) as model:
         if kind == "target" or kind.startswith(SKILL):
-            scored = scorer_for(cycle, kind, scorer).score(bb.model, bb.tokenizer)
+            scored = scorer_for(ctx, kind).score(model, tokenizer)
             return {q: (ps.answer, ps.correct) for q, ps in scored.items()}
         if kind == "gsm8k":
-            got = eval_gsm8k(bb.model, bb.tokenizer, limit=r.gsm8k_questions, max_new_tokens=r.max_new_tokens,
+            got = eval_gsm8k(model, tokenizer, limit=r.gsm8k_questions, max_new_tokens=r.max_new_tokens,
                              batch_size=r.batch_size).answers
         else:
-            got = eval_csqa_choice(bb.model, bb.tokenizer, limit=r.csqa_questions, batch_size=r.batch_size).answers
+            got = eval_csqa_choice(model, tokenizer, limit=r.csqa_questions, batch_size=r.batch_size).answers
     return {a.id: (a.answer, bool(a.correct)) for a in got}
 
 
 @task(cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1, task_run_name="answers-{kind}")
-def version_answers(cycle: Cycle, applied: Applied, kind: str, dataset: str, ids: list[str], scorer) -> Answers:
+def version_answers(ctx: CycleContext, applied: Applied, kind: str, dataset: str, ids: list[str]) -> Answers:
     """The version's answers on these questions: stored ones, plus the missing ones generated and stored."""
     from registry import AnswerRecord, get_answers, record_answers
 
-    stored = {q: a for (d, q), a in get_answers(cycle.ledger, applied.version.id).items() if d == dataset}
+    from .runtime import ledger
+
+    stored = {q: a for (d, q), a in get_answers(ledger(), applied.version.id).items() if d == dataset}
     if any(q not in stored for q in ids):
-        fresh = _generate(cycle, applied, kind, scorer)
+        fresh = _generate(ctx, applied, kind)
         new = [AnswerRecord(dataset, q, *fresh[q]) for q in ids if q not in stored]
-        record_answers(cycle.ledger, applied.version.id, new)
+        record_answers(ledger(), applied.version.id, new)
         stored |= {a.question_id: a for a in new}
     return {q: stored[q] for q in ids}
 
@@ -118,29 +132,33 @@ def flips(reference: Answers, new: Answers) -> Flips:
 
 
 @task(cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1)
-def kl_against(cycle: Cycle, applied: Applied, ref_applied: Applied) -> dict[str, float]:
+def kl_against(ctx: CycleContext, applied: Applied, ref_applied: Applied) -> dict[str, float]:
     """Retained KL(ref || version) per member of the retained set, nats/token."""
-    return {m: retained_kl(cycle, applied, reference(cycle, ref_applied, m), m) for m in cycle.members}
+    from .runtime import retained_kl
+
+    return {m: retained_kl(ctx, applied, ref_applied, m) for m in ctx.members}
 
 
-def all_answers(cycle: Cycle, applied: Applied, scorer) -> dict[str, Answers]:
-    return {kind: version_answers(cycle, applied, kind, dataset, question_ids(cycle, kind, scorer), scorer)
-            for kind, dataset in answer_sets(cycle, scorer).items()}
+def all_answers(ctx: CycleContext, applied: Applied) -> dict[str, Answers]:
+    return {kind: version_answers(ctx, applied, kind, dataset, question_ids(ctx, kind))
+            for kind, dataset in answer_sets(ctx).items()}
 
 
 def solved(answers: dict[str, Answers]) -> int:
     return sum(a.correct for a in answers["target"].values())
 
 
-def released_regressions(cycle: Cycle, champ: dict[str, Answers], mine: dict[str, Answers]) -> dict[str, Regression]:
-    return {name: regression(s, champ[SKILL + name], mine[SKILL + name]) for name, s in cycle.released_scorers.items()}
+def released_regressions(ctx: CycleContext, champ: dict[str, Answers], mine: dict[str, Answers]) -> dict[str, Regression]:
+    return {name: regression(s, champ[SKILL + name], mine[SKILL + name]) for name, s in released_scorers(ctx).items()}
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def record_candidate(cycle: Cycle, m: CandidateMetrics, champion_id: int) -> int:
+def record_candidate(ctx: CycleContext, m: CandidateMetrics) -> int:
     """Store the evaluation (NaN/inf kept readable in `extra`, since the ledger stores only finite
     numbers) and log its numbers to the version's MLflow run at its training step."""
     from registry import ChurnCounts, DomainKL, EvaluationRecord, ensure_mlflow_run, get_version, record_evaluation
+
+    from .runtime import ledger, platform
 
     ok = lambda v: v if v is not None and math.isfinite(v) else None  # noqa: E731
     nonfinite = {f"{k}[{d}]": str(v) for k in ("kl_vs_base", "kl_vs_champion")
@@ -149,38 +167,41 @@ def record_candidate(cycle: Cycle, m: CandidateMetrics, champion_id: int) -> int
              (("base", m.flips_vs_base), ("release", m.flips_vs_champion)) for d, f in sorted(fl.items())]
     record = EvaluationRecord(m.version_id, m.target_solved, m.target_total,
                               [DomainKL(d, ok(m.kl_vs_base.get(d)), ok(m.kl_vs_champion.get(d))) for d in m.kl_vs_base],
-                              churn, ok(m.csqa_choice_churn), champion_id,
-                              {"eval_key": eval_key(cycle), "nonfinite": nonfinite,
+                              churn, ok(m.csqa_choice_churn), ctx.champion.version.id,
+                              {"eval_key": eval_key(ctx), "nonfinite": nonfinite,
                                "champion_solved": m.champion_solved,
                                "released": {k: asdict(r) for k, r in m.released.items()},
                                "target_score": ok(m.target_score), "champion_score": ok(m.champion_score),
-                               "higher_is_better": m.higher_is_better}, cycle.flow_run_id)
-    evaluation_id = record_evaluation(cycle.ledger, record)
+                               "higher_is_better": m.higher_is_better}, ctx.flow_run_id)
+    evaluation_id = record_evaluation(ledger(), record)
     numbers = {"target_solved": m.target_solved, "csqa_choice_churn": m.csqa_choice_churn}
     numbers |= {f"{k}_{d}": v for k in ("kl_vs_base", "kl_vs_champion") for d, v in getattr(m, k).items()}
     numbers |= {f"released_score_{k}": r.score for k, r in m.released.items()}
-    run_id = ensure_mlflow_run(cycle.ledger, cycle.platform.bridge, get_version(cycle.ledger, m.version_id).training_run_id)
-    cycle.platform.bridge.log_metrics(run_id, {k: v for k, v in numbers.items() if ok(v) is not None}, m.step)
+    bridge = platform().bridge
+    run_id = ensure_mlflow_run(ledger(), bridge, get_version(ledger(), m.version_id).training_run_id)
+    bridge.log_metrics(run_id, {k: v for k, v in numbers.items() if ok(v) is not None}, m.step)
     return evaluation_id
 
 
-def eval_key(cycle: Cycle) -> str:
+def eval_key(ctx: CycleContext) -> str:
     """Identity of what an evaluation measures: the config's subsets plus the released skills
     (their scorers and contexts); a stored evaluation is reused only if it matches."""
     from .config import digest
 
-    return digest([cycle.config.eval_key(), [s.to_dict() for s in cycle.released]])
+    return digest([ctx.config.eval_key(), [s.to_dict() for s in ctx.released]])
 
 
-def stored_metrics(cycle: Cycle, version, champion_id: int):
+def stored_metrics(ctx: CycleContext, version) -> CandidateMetrics | None:
     """The candidate's evaluation against this champion with these settings, if one is stored."""
     from registry import evaluation_extra, latest_evaluation
 
-    ev = latest_evaluation(cycle.ledger, version.id)
-    if ev is None or ev.release_version_id != champion_id:
+    from .runtime import ledger
+
+    ev = latest_evaluation(ledger(), version.id)
+    if ev is None or ev.release_version_id != ctx.champion.version.id:
         return None
-    extra = evaluation_extra(cycle.ledger, ev.id)
-    if extra.get("eval_key") != eval_key(cycle):
+    extra = evaluation_extra(ledger(), ev.id)
+    if extra.get("eval_key") != eval_key(ctx):
         return None
     nan = {k: float(v) for k, v in extra.get("nonfinite", {}).items()}
     kl = lambda which, attr: {k.domain: nan.get(f"{which}[{k.domain}]", getattr(k, attr)) for k in ev.kl}  # noqa: E731
@@ -194,41 +215,46 @@ def stored_metrics(cycle: Cycle, version, champion_id: int):
                             extra.get("target_score"), extra.get("champion_score"), extra.get("higher_is_better", True))
 
 
-@flow(name="evaluate_candidate", validate_parameters=False)
-def evaluate_candidate(cycle: Cycle, version_id: int, champion: Applied, base: Applied, scorer) -> CandidateMetrics:
-    """All gate metrics of one candidate version against the champion and the base model."""
+@flow(name="evaluate_candidate", validate_parameters=True)
+def evaluate_candidate(ctx: CycleContext, version_id: int) -> CandidateMetrics:
+    """All gate metrics of one candidate version against the champion and the base model, recorded."""
     from registry import get_version
 
-    version = get_version(cycle.ledger, version_id)
-    found = stored_metrics(cycle, version, champion.version.id)
+    from .runtime import ledger, resolve_applied
+
+    version = get_version(ledger(), version_id)
+    found = stored_metrics(ctx, version)
     if found is not None:
         return found
-    applied = apply_version(cycle, version)
-    mine, champ, base_ans = (all_answers(cycle, a, scorer) for a in (applied, champion, base))
+    applied, champion, base = resolve_applied(version), ctx.champion, ctx.base
+    mine, champ, base_ans = (all_answers(ctx, a) for a in (applied, champion, base))
     watched = [k for k in mine if k in ("gsm8k", "csqa")]  # domains whose answers have churn / NFR
     choice = flips(champ["csqa"], mine["csqa"]).churn if "csqa" in mine else None
+    target = scorer_for(ctx, "target")
     m = CandidateMetrics(version.id, version.name, version.method, version.seed, version.epoch, version.step,
                          solved(mine), len(mine["target"]), solved(champ),
-                         kl_against(cycle, applied, base), kl_against(cycle, applied, champion),
+                         kl_against(ctx, applied, base), kl_against(ctx, applied, champion),
                          {k: flips(base_ans[k], mine[k]) for k in watched},
                          {k: flips(champ[k], mine[k]) for k in watched}, choice,
-                         released_regressions(cycle, champ, mine),
-                         target_score=score_of(scorer, mine["target"]), champion_score=score_of(scorer, champ["target"]),
-                         higher_is_better=scorer.higher_is_better)
-    m.evaluation_id = record_candidate(cycle, m, champion.version.id)
-    return m
+                         released_regressions(ctx, champ, mine),
+                         target_score=score_of(target, mine["target"]), champion_score=score_of(target, champ["target"]),
+                         higher_is_better=target.higher_is_better)
+    return replace(m, evaluation_id=record_candidate(ctx, m))
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def record_base(cycle: Cycle, base: Applied, scorer) -> None:
+def record_base(ctx: CycleContext) -> None:
     """The base model's own evaluation (KL 0 by definition), once per evaluation settings, so that
     comparisons and history show its target score next to the versions'."""
     from registry import DomainKL, EvaluationRecord, evaluation_extra, latest_evaluation, record_evaluation
 
-    ev = latest_evaluation(cycle.ledger, base.version.id)
-    if ev is not None and evaluation_extra(cycle.ledger, ev.id).get("eval_key") == eval_key(cycle):
+    from .runtime import ledger
+
+    base = ctx.base
+    ev = latest_evaluation(ledger(), base.version.id)
+    if ev is not None and evaluation_extra(ledger(), ev.id).get("eval_key") == eval_key(ctx):
         return
-    answers = all_answers(cycle, base, scorer)
-    record_evaluation(cycle.ledger, EvaluationRecord(
-        base.version.id, solved(answers), len(answers["target"]), [DomainKL(d, 0.0) for d in cycle.members],
-        extra={"eval_key": eval_key(cycle)}, flow_run_id=cycle.flow_run_id))
+    answers = all_answers(ctx, base)
+    record_evaluation(ledger(), EvaluationRecord(
+        base.version.id, solved(answers), len(answers["target"]), [DomainKL(d, 0.0) for d in ctx.members],
+        extra={"eval_key": eval_key(ctx), "skill": ctx.skill.name}, flow_run_id=ctx.flow_run_id))

@@ -14,49 +14,53 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .cycle import Cycle
+from .cycle import Applied, CycleContext
 
 
-def chain_specs(cycle: Cycle) -> list[tuple[object, dict]]:
+def chain_specs(ledger, champion: Applied) -> list[tuple[object, dict]]:
     """(version, its training run's stored config) for every delta of the champion's chain."""
     from registry import training_run_config
 
-    return [(v, training_run_config(cycle.ledger, v.training_run_id)) for v in cycle.champion.deltas]
+    return [(v, training_run_config(ledger, v.training_run_id)) for v in champion.deltas]
 
 
-def chain_skill_specs(cycle: Cycle) -> list[dict]:
+def chain_skill_specs(ledger, champion: Applied) -> list[dict]:
     """Stored skill specs of the chain, oldest first (runs recorded before lines kept none)."""
-    return [config["skill"] for _, config in chain_specs(cycle) if "skill" in config]
+    return [config["skill"] for _, config in chain_specs(ledger, champion) if "skill" in config]
 
 
-def taught_by_chain(cycle: Cycle, skill_sha256: str) -> Optional[str]:
+def taught_by_chain(ctx: CycleContext, skill_sha256: str) -> Optional[str]:
     """The chain version that already taught this skill spec on this snapshot, if any."""
-    for version, config in chain_specs(cycle):
-        if config.get("skill") == cycle.skill.to_dict() and config.get("skill_sha256") == skill_sha256:
+    from .runtime import ledger
+
+    for version, config in chain_specs(ledger(), ctx.champion):
+        if config.get("skill") == ctx.skill.to_dict() and config.get("skill_sha256") == skill_sha256:
             return version.name
     return None
 
 
-def already_gated(cycle: Cycle, run_keys: list[tuple[str, int, str]], eval_key: str) -> bool:
+def already_gated(ctx: CycleContext, run_keys: list[tuple[str, int, str]], eval_key: str) -> bool:
     """Every (method, seed, run key) is a finished run whose candidate versions are all retired
     or gated against the current champion with this policy and these evaluation settings."""
     from registry import evaluation_extra, find_training_run, latest_gate_decision, list_releases, run_versions
 
-    renominated = {r.version_id: r.created_at for r in list_releases(cycle.ledger, cycle.model.id)
+    from .runtime import ledger
+
+    db = ledger()
+    renominated = {r.version_id: r.created_at for r in list_releases(db, ctx.model.id)
                    if r.action == "renominate"}
     for method, seed, key in run_keys:
-        found = find_training_run(cycle.ledger, cycle.backbone_id, cycle.skill.name, method, seed, key,
-                                  model_id=cycle.model.id)
+        found = find_training_run(db, ctx.backbone.ledger_id, ctx.skill.name, method, seed, key,
+                                  model_id=ctx.model.id)
         if found is None or found[1] != "finished":
             return False
-        for version in run_versions(cycle.ledger, found[0]):
+        for version in run_versions(db, found[0]):
             if version.status == "retired":
                 continue
-            decision = latest_gate_decision(cycle.ledger, version.id)
-            if (decision is None or decision.release_version_id != (None if cycle.champion.version.is_base
-                                                                    else cycle.champion.version.id)
-                    or decision.policy_name != cycle.policy.label or decision.evaluation_id is None
+            decision = latest_gate_decision(db, version.id)
+            if (decision is None or decision.release_version_id != ctx.champion_id
+                    or decision.policy_name != ctx.policy.label or decision.evaluation_id is None
                     or renominated.get(version.id, decision.created_at) > decision.created_at
-                    or evaluation_extra(cycle.ledger, decision.evaluation_id).get("eval_key") != eval_key):
+                    or evaluation_extra(db, decision.evaluation_id).get("eval_key") != eval_key):
                 return False
     return True

@@ -14,13 +14,17 @@ from typing import Optional
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from .cycle import Cycle
+from registry import GateCheckRecord, ReleaseInfo
+
+from .cycle import CycleContext
 from .gates import CandidateMetrics, passed, run_checks, select
 
 
-@dataclass
+@dataclass(frozen=True)
 class GateOutcome:
-    checks: dict[int, list] = field(default_factory=dict)  # version id -> [GateCheckRecord]
+    """The gate's result: every candidate's checks and recorded decision, and the one selected."""
+
+    checks: dict[int, list[GateCheckRecord]] = field(default_factory=dict)  # version id -> checks
     decisions: dict[int, int] = field(default_factory=dict)  # version id -> gate decision id
     selected: Optional[CandidateMetrics] = None
 
@@ -29,47 +33,49 @@ class GateOutcome:
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def record_decision(cycle: Cycle, m: CandidateMetrics, checks: list, champion_id: Optional[int]) -> int:
+def record_decision(ctx: CycleContext, m: CandidateMetrics, checks: list[GateCheckRecord]) -> int:
     """Record the verdict, unless this exact decision (evaluation, champion, policy) is already recorded."""
     from registry import latest_gate_decision, record_gate_decision
 
-    last = latest_gate_decision(cycle.ledger, m.version_id)
-    if (last is not None and last.evaluation_id == m.evaluation_id and last.release_version_id == champion_id
-            and last.policy_name == cycle.policy.label and last.evaluation_id is not None):
+    from .runtime import ledger
+
+    last, policy = latest_gate_decision(ledger(), m.version_id), ctx.policy
+    if (last is not None and last.evaluation_id == m.evaluation_id and last.release_version_id == ctx.champion_id
+            and last.policy_name == policy.label and last.evaluation_id is not None):
         return last.id
-    info = record_gate_decision(cycle.ledger, m.version_id, cycle.policy.label,
-                                cycle.policy.to_dict() | {"hash": cycle.policy.hash}, checks,
-                                evaluation_id=m.evaluation_id, release_version_id=champion_id,
-                                flow_run_id=cycle.flow_run_id)
+    info = record_gate_decision(ledger(), m.version_id, policy.label, policy.to_dict() | {"hash": policy.hash}, checks,
+                                evaluation_id=m.evaluation_id, release_version_id=ctx.champion_id,
+                                flow_run_id=ctx.flow_run_id)
     return info.id
 
 
 @task(cache_policy=NO_CACHE, retries=3, retry_delay_seconds=3)
-def publish(cycle: Cycle, version_id: int) -> str:
+def publish(version_id: int) -> str:
     """The version as an MLflow model version (created once) with its current gate verdict as tags."""
     from registry import publish_version, sync_version_tags
 
-    p = cycle.platform
+    from .runtime import platform
+
+    p = platform()
     number = publish_version(p.ledger, p.store, p.bridge, version_id)
     sync_version_tags(p.ledger, p.bridge, version_id)
     return number
 
 
-@flow(name="gate", validate_parameters=False)
-def gate(cycle: Cycle, candidates: list[CandidateMetrics], champion_id: Optional[int]) -> GateOutcome:
-    """Check every candidate against the policy (fail closed), record each decision, select one.
-
-    `champion_id`: the version holding `champion` (None: nobody yet, the base model serves)."""
+@flow(name="gate", validate_parameters=True)
+def gate(ctx: CycleContext, candidates: list[CandidateMetrics]) -> GateOutcome:
+    """Check every candidate against the policy (fail closed), record each decision, select one;
+    decisions are measured against `ctx.champion` (the base while nobody holds `champion`)."""
     log = get_run_logger()
-    out = GateOutcome()
+    checks, decisions = {}, {}
     for m in candidates:
-        out.checks[m.version_id] = run_checks(m, cycle.policy, cycle.config.domain_names)
-        out.decisions[m.version_id] = record_decision(cycle, m, out.checks[m.version_id], champion_id)
-        failed = [c.name for c in out.checks[m.version_id] if not c.passed]
+        checks[m.version_id] = run_checks(m, ctx.policy, ctx.config.domain_names)
+        decisions[m.version_id] = record_decision(ctx, m, checks[m.version_id])
+        failed = [c.name for c in checks[m.version_id] if not c.passed]
         log.info(f"{m.name}: {'PASS' if not failed else 'REJECT (' + ', '.join(failed) + ')'}")
-        publish(cycle, m.version_id)
-    out.selected = select(candidates, {v: out.verdict(v) for v in out.checks}, cycle.policy)
-    return out
+        publish(m.version_id)
+    selected = select(candidates, {v: passed(c) for v, c in checks.items()}, ctx.policy)
+    return GateOutcome(checks, decisions, selected)
 
 
 def _retry_unless_refused(task, task_run, state) -> bool:
@@ -86,21 +92,23 @@ def _retry_unless_refused(task, task_run, state) -> bool:
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=_retry_unless_refused)
-def move_champion(cycle: Cycle, version_id: int, reason: str):
+def move_champion(version_id: int, reason: str, flow_run_id: Optional[str]) -> ReleaseInfo:
     from registry import promote as registry_promote
 
-    return registry_promote(cycle.ledger, cycle.platform.bridge, version_id, reason=reason,
-                            flow_run_id=cycle.flow_run_id)
+    from .runtime import platform
+
+    p = platform()
+    return registry_promote(p.ledger, p.bridge, version_id, reason=reason, flow_run_id=flow_run_id)
 
 
-@flow(name="promote", validate_parameters=False)
-def promote(cycle: Cycle, version_id: int, reason: str):
+@flow(name="promote", validate_parameters=True)
+def promote(version_id: int, reason: str, flow_run_id: Optional[str] = None) -> Optional[ReleaseInfo]:
     """Make a gated version the champion; a lost race is reported, not raised (the other cycle won)."""
     from registry import PromotionConflict
 
-    publish(cycle, version_id)
+    publish(version_id)
     try:
-        return move_champion(cycle, version_id, reason)
+        return move_champion(version_id, reason, flow_run_id)
     except PromotionConflict as e:
         get_run_logger().warning(f"not promoted: {e}")
         return None

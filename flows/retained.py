@@ -8,45 +8,57 @@ released skill gates on its held-out pairs and calibrates on its training pairs.
 """
 from __future__ import annotations
 
-from .cycle import Cycle
+from .cycle import CycleContext
 from .skills import SkillSpec, skill_set, skill_texts
 
 
-def _released(cycle: Cycle, member: str) -> SkillSpec | None:
-    return next((s for s in cycle.released if s.name == member), None)
+def _released(ctx: CycleContext, member: str) -> SkillSpec | None:
+    return next((s for s in ctx.released if s.name == member), None)
 
 
-def _domain(cycle: Cycle, member: str):
+def _domain(ctx: CycleContext, member: str):
     """The configured domain spec (a built-in name or a JSONL file's mapping) called `member`."""
-    return next(d for d in cycle.config.retained.domains if (d if isinstance(d, str) else d["name"]) == member)
+    return next(d for d in ctx.config.retained.domains if (d if isinstance(d, str) else d["name"]) == member)
 
 
-def _texts(cycle: Cycle, member: str, role: str, limit: int | None) -> list[str]:
+def _tokenizer(ctx: CycleContext):
+    from .runtime import backbone
+
+    return backbone(ctx.backbone).tokenizer
+
+
+def member_spec(ctx: CycleContext, member: str):
+    """What defines the member's texts: a released skill's spec or the configured domain's."""
+    spec = _released(ctx, member)
+    return spec.to_dict() if spec is not None else _domain(ctx, member)
+
+
+def _texts(ctx: CycleContext, member: str, role: str, limit: int | None) -> list[str]:
     from evaluation.domains import domain_contexts
 
-    spec = _released(cycle, member)
+    spec = _released(ctx, member)
     if spec is not None:
-        return skill_texts(cycle.backbone.tokenizer, spec, role, limit)
-    return domain_contexts(cycle.backbone.tokenizer, _domain(cycle, member), role, limit)[1]
+        return skill_texts(_tokenizer(ctx), spec, role, limit)
+    return domain_contexts(_tokenizer(ctx), _domain(ctx, member), role, limit)[1]
 
 
-def gate_texts(cycle: Cycle, member: str) -> list[str]:
+def gate_texts(ctx: CycleContext, member: str) -> list[str]:
     """The member's retained-KL contexts (first `retained.kl_contexts` gating rows)."""
-    return _texts(cycle, member, "gate", cycle.config.retained.kl_contexts)
+    return _texts(ctx, member, "gate", ctx.config.retained.kl_contexts)
 
 
-def calibration_texts(cycle: Cycle, member: str, limit: int) -> list[str]:
+def calibration_texts(ctx: CycleContext, member: str, limit: int) -> list[str]:
     """The member's atlas calibration contexts (rows disjoint from its gating rows)."""
-    return _texts(cycle, member, "calibration", limit)
+    return _texts(ctx, member, "calibration", limit)
 
 
-def calibration_rows(cycle: Cycle, member: str) -> int:
+def calibration_rows(ctx: CycleContext, member: str) -> int:
     """How many calibration rows the member has (built-in domains: their whole training split)."""
-    spec = _released(cycle, member)
+    spec = _released(ctx, member)
     if spec is not None:
         return len(skill_set(SkillSpec(spec.name, spec.data | {"train_limit": None}, spec.target)).train)
-    domain = _domain(cycle, member)
-    return 10**9 if isinstance(domain, str) else len(_texts(cycle, member, "calibration", None))
+    domain = _domain(ctx, member)
+    return 10**9 if isinstance(domain, str) else len(_texts(ctx, member, "calibration", None))
 
 
 def share_examples(needed: int, available: dict[str, int]) -> dict[str, int]:
@@ -64,13 +76,13 @@ def share_examples(needed: int, available: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def member_data(cycle: Cycle, member: str) -> dict:
+def member_data(ctx: CycleContext, member: str) -> dict:
     """What the member's texts are a function of (hashed into the atlas content hash)."""
     from evaluation.domains import domain_data_sha256
 
-    spec = _released(cycle, member)
+    spec = _released(ctx, member)
     if spec is not None:
         s = skill_set(spec)
         return {"skill": spec.name, "dataset": s.dataset_name, "sha256": s.sha256}
-    domain = _domain(cycle, member)
+    domain = _domain(ctx, member)
     return {"domain": domain, "sha256": domain_data_sha256(domain)}

@@ -20,16 +20,17 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from .config import digest, resolve
-from .skills import skill_set
-from .cycle import Cycle
+from .cycle import CycleContext
+from .skills import SkillSet, skill_set
 
 
-def run_config_for(cycle: Cycle, method: str, seed: int):
-    """configs/train/<method>.yaml with this cycle's backbone, layer, atlas, seed and overrides."""
+def run_config_for(ctx: CycleContext, method: str, seed: int):
+    """configs/train/<method>.yaml with this cycle's backbone, layer, atlas, seed and overrides;
+    returns (run config, atlas variant or None)."""
     from atlas_core.residual import RESIDUAL_VARIANTS
     from atlas_core.train import load_run_config
 
-    over = cycle.config.train
+    over = ctx.config.train
     path = resolve(Path(over.configs_dir) / f"{method}.yaml")
     if not path.is_file():
         raise ValueError(f"candidates.methods: no run config {path} for method {method!r}")
@@ -38,73 +39,82 @@ def run_config_for(cycle: Cycle, method: str, seed: int):
                                              "checkpoint_every_steps") if getattr(over, k) is not None}
     train = replace(rc.train, seed=seed, **changes)
     variant = RESIDUAL_VARIANTS.get(rc.adapter) if rc.adapter != "weight-lora" else None
-    atlas = str(cycle.atlas_ids[variant][2]) if variant else None
-    return replace(rc, backbone=cycle.backbone.name, layer=cycle.layer, atlas=atlas, train=train), variant
+    atlas = ctx.atlas(variant)
+    return replace(rc, backbone=ctx.backbone.name, layer=ctx.layer, atlas=atlas.path if atlas else None,
+                   train=train), variant
 
 
-def run_key(cycle: Cycle, method: str, run_config, variant, skill) -> str:
-    config = run_config.to_dict() | {"atlas": cycle.atlas_ids[variant][1].sha256 if variant else None}
-    key = {"backbone": cycle.backbone.name, "revision": cycle.backbone.revision, "dtype": cycle.backbone.dtype,
-           "method": method, "config": config, "data": [skill.dataset_name, skill.sha256, cycle.config.data.train_limit,
-                                                         cycle.config.data.val_limit, cycle.config.retained.replay_examples]}
-    if not cycle.champion.version.is_base:  # keys of runs on the bare backbone stay as they were before chains
-        key["parent"] = [cycle.champion.version.id, cycle.champion.version.adapter_sha256]
+def run_key(ctx: CycleContext, method: str, run_config, variant, skill: SkillSet) -> str:
+    atlas, bb, data = ctx.atlas(variant), ctx.backbone, ctx.config.data
+    key = {"backbone": bb.name, "revision": bb.revision, "dtype": bb.dtype, "method": method,
+           "config": run_config.to_dict() | {"atlas": atlas.sha256 if atlas else None},
+           "data": [skill.dataset_name, skill.sha256, data.train_limit, data.val_limit, ctx.config.retained.replay_examples]}
+    if ctx.champion_id is not None:  # keys of runs on the bare backbone stay as they were before chains
+        key["parent"] = [ctx.champion_id, ctx.champion.version.adapter_sha256]
     return digest(key)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def open_training_run(cycle: Cycle, method: str, seed: int, run_config, variant, key: str, dataset_id: int,
-                      skill_sha256: str):
+def open_training_run(ctx: CycleContext, method: str, seed: int, run_config, variant, key: str, dataset_id: int,
+                      skill_sha256: str) -> tuple[int, str]:
     """(training run id, status): the run with this key, or a new one."""
     from registry import ensure_mlflow_run, find_training_run, start_training_run
 
-    found = find_training_run(cycle.ledger, cycle.backbone_id, cycle.skill.name, method, seed, key, model_id=cycle.model.id)
+    from .runtime import ledger, platform
+
+    found = find_training_run(ledger(), ctx.backbone.ledger_id, ctx.skill.name, method, seed, key, model_id=ctx.model.id)
     if found is None:
-        config = {"run_key": key, "run_config": run_config.to_dict() | {"atlas": None}, "skill": cycle.skill.to_dict(),
+        config = {"run_key": key, "run_config": run_config.to_dict() | {"atlas": None}, "skill": ctx.skill.to_dict(),
                   "skill_sha256": skill_sha256}
-        atlas_id = cycle.atlas_ids[variant][0] if variant else None
-        found = (start_training_run(cycle.ledger, cycle.backbone_id, cycle.skill.name, method, seed, config,
-                                    atlas_id=atlas_id, dataset_id=dataset_id, flow_run_id=cycle.flow_run_id,
-                                    model_id=cycle.model.id, parent_version_id=cycle.champion.version.id), "running")
-    ensure_mlflow_run(cycle.ledger, cycle.platform.bridge, found[0])
+        atlas = ctx.atlas(variant)
+        found = (start_training_run(ledger(), ctx.backbone.ledger_id, ctx.skill.name, method, seed, config,
+                                    atlas_id=atlas.atlas_id if atlas else None, dataset_id=dataset_id,
+                                    flow_run_id=ctx.flow_run_id, model_id=ctx.model.id,
+                                    parent_version_id=ctx.champion.version.id), "running")
+    ensure_mlflow_run(ledger(), platform().bridge, found[0])
     return found
 
 
-def record_checkpoint_files(cycle: Cycle, training_run_id: int, path: Path) -> int:
-    """Store a checkpoint's adapter (+ manifest), record and log it, register it if it is a candidate."""
+def record_checkpoint_files(evaluate: str, training_run_id: int, path: Path) -> int:
+    """Store a checkpoint's adapter (+ manifest), record and log it, register it if it is a candidate
+    (`evaluate`: the config's which-checkpoints setting)."""
     from atlas_core.train import read_state
     from registry import log_checkpoint, record_checkpoint, register_version, run_checkpoints
 
-    state, store = read_state(path), cycle.platform.store
+    from .runtime import ledger, platform
+
+    state, store = read_state(path), platform().store
     adapter, manifest = store.put_file(path / "adapter.safetensors"), store.put_file(path / "adapter.json")
-    known = {step for _, _, step, _ in run_checkpoints(cycle.ledger, training_run_id)}
+    known = {step for _, _, step, _ in run_checkpoints(ledger(), training_run_id)}
     metrics = {"train_loss": state["train_losses"][-1] if state["train_losses"] else None,
                "val_loss": state["val_losses"].get(str(state["step"])), "epoch_end": bool(state.get("epoch_end")),
                "manifest_sha256": manifest.sha256}
-    ckpt = record_checkpoint(cycle.ledger, training_run_id, state["epoch"], state["step"], adapter, metrics)
+    ckpt = record_checkpoint(ledger(), training_run_id, state["epoch"], state["step"], adapter, metrics)
     if state["step"] not in known:
-        log_checkpoint(cycle.ledger, cycle.platform.bridge, ckpt.id)
-    if (state.get("epoch_end") and cycle.config.evaluate == "epoch-ends") or cycle.config.evaluate == "all":
-        return register_version(cycle.ledger, ckpt.id).id
+        log_checkpoint(ledger(), platform().bridge, ckpt.id)
+    if (state.get("epoch_end") and evaluate == "epoch-ends") or evaluate == "all":
+        return register_version(ledger(), ckpt.id).id
     return 0  # "final": registered once the run is finished (reconcile_checkpoints)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def train_run(cycle: Cycle, training_run_id: int, run_config, variant, skill, run_dir: Path) -> list[str]:
+def train_run(ctx: CycleContext, training_run_id: int, run_config, variant, skill: SkillSet, run_dir: Path) -> list[str]:
     """Train (resuming if the folder has checkpoints); each new checkpoint is recorded at once."""
     from atlas_core.train import build_adapter, prepare_data, train
     from evaluation.contexts import retained_contexts
 
-    bb, tc = cycle.backbone, run_config.train
-    retained = (retained_contexts(bb.tokenizer, "gsm8k", split="train", limit=cycle.config.retained.replay_examples)[1]
+    from .runtime import applied_on, atlas_file, backbone
+
+    tokenizer, tc = backbone(ctx.backbone).tokenizer, run_config.train
+    retained = (retained_contexts(tokenizer, "gsm8k", split="train", limit=ctx.config.retained.replay_examples)[1]
                 if tc.objective.uses_retained else None)
-    data = prepare_data(bb.tokenizer, skill.train, tc, val=skill.val or None, retained=retained)
-    atlas = cycle.atlas_ids[variant][1] if variant else None
-    with cycle.champion.on_model(bb.model):  # the parent's chain, frozen: the new delta learns on top of it
-        adapter = build_adapter(run_config, bb.model, atlas)
+    data = prepare_data(tokenizer, skill.train, tc, val=skill.val or None, retained=retained)
+    atlas = atlas_file(ctx.atlas(variant).path) if variant else None
+    record = lambda path, _: record_checkpoint_files(ctx.config.evaluate, training_run_id, path)  # noqa: E731
+    with applied_on(ctx, ctx.champion) as model:  # the parent's chain, frozen: the new delta learns on top of it
+        adapter = build_adapter(run_config, model, atlas)
         try:
-            summary = train(bb.model, adapter, data, tc, run_dir, resume=True,
-                            on_checkpoint=lambda path, _: record_checkpoint_files(cycle, training_run_id, path))
+            summary = train(model, adapter, data, tc, run_dir, resume=True, on_checkpoint=record)
         finally:
             if hasattr(adapter, "remove"):  # Weight-LoRA lives inside the model; take it out again
                 adapter.remove()
@@ -112,49 +122,52 @@ def train_run(cycle: Cycle, training_run_id: int, run_config, variant, skill, ru
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def reconcile_checkpoints(cycle: Cycle, training_run_id: int, checkpoints: list[str]) -> list[int]:
+def reconcile_checkpoints(evaluate: str, training_run_id: int, checkpoints: list[str]) -> list[int]:
     """Record any checkpoint a crash left unrecorded; return the run's candidate version ids."""
     from registry import finish_training_run, register_version, run_checkpoints
 
+    from .runtime import ledger
+
     for path in checkpoints:
         if Path(path).is_dir():
-            record_checkpoint_files(cycle, training_run_id, Path(path))
-    finish_training_run(cycle.ledger, training_run_id, "finished")
-    recorded = run_checkpoints(cycle.ledger, training_run_id)
-    mode = cycle.config.evaluate
-    eligible = [cid for cid, _, _, m in recorded if mode == "all" or (mode == "epoch-ends" and m.get("epoch_end"))]
-    if mode == "final" and recorded:
+            record_checkpoint_files(evaluate, training_run_id, Path(path))
+    finish_training_run(ledger(), training_run_id, "finished")
+    recorded = run_checkpoints(ledger(), training_run_id)
+    eligible = [cid for cid, _, _, m in recorded if evaluate == "all" or (evaluate == "epoch-ends" and m.get("epoch_end"))]
+    if evaluate == "final" and recorded:
         eligible = [recorded[-1][0]]
-    return [register_version(cycle.ledger, cid).id for cid in eligible]
+    return [register_version(ledger(), cid).id for cid in eligible]
 
 
-def planned_runs(cycle: Cycle, skill) -> list[tuple[str, int, object, object, str]]:
+def planned_runs(ctx: CycleContext, skill: SkillSet) -> list[tuple[str, int, object, object, str]]:
     """(method, seed, run config, atlas variant, run key) of every candidate the policy lists."""
     out = []
-    for method in cycle.policy.candidates.methods:
-        for seed in cycle.policy.candidates.seeds:
-            run_config, variant = run_config_for(cycle, method, seed)
-            out.append((method, seed, run_config, variant, run_key(cycle, method, run_config, variant, skill)))
+    for method in ctx.policy.candidates.methods:
+        for seed in ctx.policy.candidates.seeds:
+            run_config, variant = run_config_for(ctx, method, seed)
+            out.append((method, seed, run_config, variant, run_key(ctx, method, run_config, variant, skill)))
     return out
 
 
-@flow(name="train_skill", validate_parameters=False)
-def train_skill(cycle: Cycle) -> list[int]:
+@flow(name="train_skill", validate_parameters=True)
+def train_skill(ctx: CycleContext) -> list[int]:
     """Train the candidates the policy lists (method x seed) on top of the champion; returns the
     ids of their active candidate versions (retired ones are never candidates again)."""
     from registry import ensure_dataset, get_version
 
+    from .runtime import ledger, platform
+
     log = get_run_logger()
-    skill = skill_set(cycle.skill)
-    dataset_id = ensure_dataset(cycle.ledger, skill.dataset_name, skill.split, skill.sha256)
+    skill = skill_set(ctx.skill)
+    dataset_id = ensure_dataset(ledger(), skill.dataset_name, skill.split, skill.sha256)
     versions: list[int] = []
-    for method, seed, run_config, variant, key in planned_runs(cycle, skill):
-        run_id, status = open_training_run(cycle, method, seed, run_config, variant, key, dataset_id, skill.sha256)
-        run_dir = cycle.platform.state / "runs" / cycle.skill.name / f"{method}-s{seed}-{key[:12]}"
+    for method, seed, run_config, variant, key in planned_runs(ctx, skill):
+        run_id, status = open_training_run(ctx, method, seed, run_config, variant, key, dataset_id, skill.sha256)
+        run_dir = platform().state / "runs" / ctx.skill.name / f"{method}-s{seed}-{key[:12]}"
         if status == "finished":
             log.info(f"{method} seed {seed}: training run {run_id} already finished; reusing its checkpoints")
             checkpoints = []
         else:
-            checkpoints = train_run(cycle, run_id, run_config, variant, skill, run_dir)
-        versions += reconcile_checkpoints(cycle, run_id, checkpoints)
-    return [v for v in versions if get_version(cycle.ledger, v).status == "active"]
+            checkpoints = train_run(ctx, run_id, run_config, variant, skill, run_dir)
+        versions += reconcile_checkpoints(ctx.config.evaluate, run_id, checkpoints)
+    return [v for v in versions if get_version(ledger(), v).status == "active"]

@@ -1,6 +1,12 @@
 """update: the whole scheduled cycle, for one skill on one line.
 
-    prepare -> refresh_atlas -> (idle?) -> train_skill -> evaluate_candidate (each) -> gate -> promote -> report
+    resolve_lineage -> (idle?) -> refresh_atlas -> (idle?) -> train_skill -> evaluate_candidate (each)
+        -> gate -> promote -> publish_report
+
+Each stage takes and returns plain typed values (flows/cycle.py: CycleContext, AtlasRef,
+CandidateMetrics, GateOutcome, ReleaseInfo) and is a Prefect flow or task of its own, so its
+parameters are validated and its result can be persisted; the loaded backbone and caches are
+process resources (flows/runtime.py) that live for one `update` call.
 
 Each release builds on the line's champion: candidates train one delta with the champion's
 chain attached, the atlas describes the champion's activations, and every skill released
@@ -26,51 +32,71 @@ from .platform import DEFAULT_CONFIG, DEFAULT_POLICY, configure_environment
 
 configure_environment()
 
+from registry import ModelInfo, ReleaseInfo, VersionInfo  # noqa: E402 (after the environment is set)
+
+from .config import UpdateConfig  # noqa: E402
+from .cycle import CycleContext  # noqa: E402
+from .gates import CandidateMetrics  # noqa: E402
+from .policy import ReleasePolicy  # noqa: E402
+from .release import GateOutcome  # noqa: E402
+
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
-def load_backbone_task(cycle) -> None:
-    """Load the backbone (first use converts the shipped GGUF; transient I/O errors are retried)."""
-    from .components import load_model
+def load_backbone_task(name: str, dtype: str) -> tuple[str, str, int]:
+    """Load the backbone (first use converts the shipped GGUF; transient I/O errors are retried);
+    returns (revision, resolved dtype, number of decoder layers)."""
+    from .runtime import load_backbone
 
-    cycle.backbone = load_model(cycle.config.backbone, cycle.config.dtype)
-    cycle.layer = cycle.backbone.middle_layer if cycle.config.layer == -1 else cycle.config.layer
+    bb = load_backbone(name, dtype)
+    return bb.revision, bb.dtype, bb.num_layers
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def record_lineage(cycle) -> None:
-    """Backbone, line and its base version in the ledger (get-or-create); the champion and its chain."""
+def record_lineage(name: str, revision: str, line: str) -> tuple[int, ModelInfo, VersionInfo, VersionInfo]:
+    """Backbone, line and its base version in the ledger (get-or-create), and the champion's holder
+    (the base while nobody holds it): (backbone id, line, base, champion)."""
     from registry import alias_holder, base_version, ensure_backbone, ensure_model
 
-    from .cycle import apply_version
+    from .runtime import ledger
 
-    cycle.backbone_id = ensure_backbone(cycle.ledger, cycle.backbone.name, cycle.backbone.revision)
-    cycle.model = ensure_model(cycle.ledger, cycle.backbone_id, cycle.config.line_name)
-    cycle.base = base_version(cycle.ledger, cycle.model.id)
-    cycle.champion = apply_version(cycle, alias_holder(cycle.ledger, cycle.model.id) or cycle.base)
+    backbone_id = ensure_backbone(ledger(), name, revision)
+    model = ensure_model(ledger(), backbone_id, line)
+    base = base_version(ledger(), model.id)
+    return backbone_id, model, base, alias_holder(ledger(), model.id) or base
 
 
-def prepare_skills(cycle) -> None:
-    """The skill taught now, the released skills it must keep, their scorers: all validated
-    (scorer names and options, policy thresholds) before anything trains."""
-    from .components import make_scorer
+@flow(name="resolve_lineage", validate_parameters=True)
+def resolve_lineage(config: UpdateConfig, policy: ReleasePolicy, flow_run_id: Optional[str] = None) -> CycleContext:
+    """The cycle's context: backbone, line, base, the champion with its whole chain loaded and
+    verified, the skill taught now and the released skills it must keep, their scorers and the
+    policy's thresholds for them validated before anything trains."""
+    from .cycle import Applied, BackboneRef
     from .lineage import chain_skill_specs
+    from .runtime import ledger, resolve_applied, scorer
     from .skills import SkillSpec, released_skills
 
-    cycle.skill = SkillSpec.from_config(cycle.config)
-    cycle.released = released_skills(chain_skill_specs(cycle), cycle.skill.name)
-    cycle.released_scorers = {s.name: make_scorer(s) for s in cycle.released}
-    cycle.policy.require_released([s.name for s in cycle.released])
+    revision, dtype, layers = load_backbone_task(config.backbone, config.dtype)
+    backbone_id, model, base, holder = record_lineage(config.backbone, revision, config.line_name)
+    layer = layers // 2 if config.layer == -1 else config.layer
+    champion = resolve_applied(holder)
+    skill = SkillSpec.from_config(config)
+    released = released_skills(chain_skill_specs(ledger(), champion), skill.name)
+    for spec in (skill, *released):
+        scorer(spec)  # built (and so validated) before anything trains
+    policy.require_released([s.name for s in released])
+    return CycleContext(config, policy, BackboneRef(config.backbone, revision, dtype, backbone_id, layer), model,
+                        Applied(base), champion, skill, tuple(released), flow_run_id=flow_run_id)
 
 
-def needed_atlas_variants(cycle) -> list[str]:
+def needed_atlas_variants(ctx: CycleContext) -> list[str]:
     from atlas_core.residual import RESIDUAL_VARIANTS
     from atlas_core.train import load_run_config
 
     from .config import resolve
 
     variants = []
-    for method in cycle.policy.candidates.methods:
-        path = resolve(f"{cycle.config.train.configs_dir}/{method}.yaml")
+    for method in ctx.policy.candidates.methods:
+        path = resolve(f"{ctx.config.train.configs_dir}/{method}.yaml")
         if not path.is_file():
             raise ValueError(f"candidates.methods: no run config {path} for method {method!r}")
         adapter = load_run_config(path).adapter
@@ -80,12 +106,13 @@ def needed_atlas_variants(cycle) -> list[str]:
     return variants
 
 
-def outcome_text(cycle, outcome, release, champion, candidates) -> str:
+def outcome_text(ctx: CycleContext, outcome: GateOutcome, release, candidates: list[CandidateMetrics]) -> str:
+    champion = ctx.champion.version
     if not candidates:
         return f"No candidates to gate (every one is retired); the champion stays **{champion.name}**."
     if release is not None:
         s = outcome.selected
-        return (f"**PROMOTED {s.name}** (was {champion.name}): passed every check of policy `{cycle.policy.label}`; "
+        return (f"**PROMOTED {s.name}** (was {champion.name}): passed every check of policy `{ctx.policy.label}`; "
                 f"target {s.target_score:g} (champion {s.champion_score:g}); lowest retained KL among "
                 f"{sum(outcome.verdict(c.version_id) for c in candidates)} passing candidate(s).")
     if outcome.selected is not None:
@@ -93,64 +120,70 @@ def outcome_text(cycle, outcome, release, champion, candidates) -> str:
                 f"measured; the champion stays as recorded in the ledger.")
     reasons = [f"- {c.name}: failed " + ", ".join(ch.name for ch in outcome.checks[c.version_id] if not ch.passed)
                for c in candidates]
-    return f"**REJECTED**: no candidate passed policy `{cycle.policy.label}`; the champion stays **{champion.name}**.\n\n" \
+    return f"**REJECTED**: no candidate passed policy `{ctx.policy.label}`; the champion stays **{champion.name}**.\n\n" \
         + "\n".join(reasons)
 
 
-def line_after(cycle, release):
+def line_after(model_id: int, promoted: bool):
     """The line's history after this cycle (None while only the base serves); a promotion also
     logs the newest row (R[T][i], OP, BWT, KL vs base) on the promoted version's MLflow run."""
     from registry import alias_holder, ensure_mlflow_run
 
     from .history import line_history
+    from .runtime import platform
 
-    champion = alias_holder(cycle.ledger, cycle.model.id)
+    p = platform()
+    champion = alias_holder(p.ledger, model_id)
     if champion is None:
         return None
-    history = line_history(cycle.ledger, cycle.model.id, champion.id)
-    if release is not None:
-        run_id = ensure_mlflow_run(cycle.ledger, cycle.platform.bridge, champion.training_run_id)
-        cycle.platform.bridge.log_metrics(run_id, history.metrics(), champion.step)
+    history = line_history(p.ledger, model_id, champion.id)
+    if promoted:
+        run_id = ensure_mlflow_run(p.ledger, p.bridge, champion.training_run_id)
+        p.bridge.log_metrics(run_id, history.metrics(), champion.step)
     return history
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3)
-def publish_report(cycle, candidates, outcome, champion, release) -> str:
+def publish_report(ctx: CycleContext, candidates: list[CandidateMetrics], outcome: GateOutcome,
+                   release: Optional[ReleaseInfo]) -> str:
     """Write the report, then publish it as a Prefect artifact and as an MLflow run's artifacts."""
     from registry import compare_versions
 
     from .report import report_folder, write_report
+    from .runtime import platform
 
-    p, model = cycle.platform, cycle.model
-    folder = report_folder(p.state, model.name, cycle.flow_run_id)
+    p, model, champion = platform(), ctx.model, ctx.champion.version
+    folder = report_folder(p.state, model.name, ctx.flow_run_id)
     best = outcome.selected or (max(candidates, key=lambda c: (c.target_solved or 0, -c.mean_kl("kl_vs_champion")))
                                 if candidates else None)
-    comparison = compare_versions(cycle.ledger, champion.id, best.version_id).to_markdown() if best else None
-    header = {"model": model.name, "flow run": cycle.flow_run_id or "-", "config": cycle.config.name,
-              "policy": cycle.policy.label, "backbone": f"{cycle.backbone.name} @ {cycle.backbone.revision[:16]}",
-              "layer": cycle.layer, "champion before": champion.name}
+    comparison = compare_versions(p.ledger, champion.id, best.version_id).to_markdown() if best else None
+    header = {"model": model.name, "flow run": ctx.flow_run_id or "-", "config": ctx.config.name,
+              "policy": ctx.policy.label, "backbone": f"{ctx.backbone.name} @ {ctx.backbone.revision[:16]}",
+              "layer": ctx.layer, "champion before": champion.name}
     where = [f"MLflow UI: `.venv/bin/mlflow ui --backend-store-uri {p.bridge.config.tracking_uri}` "
              f"(experiment '{model.backbone} / {model.line}', registered model '{model.name}')",
              f"History: `atlas history --model {model.name}`",
              f"Explain a verdict: `atlas gate --explain VERSION --model {model.name}`"]
-    text = outcome_text(cycle, outcome, release, champion, candidates)
-    history = line_after(cycle, release)
+    text = outcome_text(ctx, outcome, release, candidates)
+    history = line_after(model.id, release is not None)
     path = write_report(folder, header, text, candidates, outcome, comparison, where, history)
     create_markdown_artifact(key="update-report", markdown=path.read_text(), description=f"{model.name}: {text[:200]}")
     run_id = p.bridge.start_run(model.backbone, model.line, f"update-cycle-{folder.name}",
-                                {"policy": cycle.policy.label, "config": cycle.config.name,
-                                 "flow_run_id": cycle.flow_run_id or "-"}, tags={"kind": "update-cycle"})
+                                {"policy": ctx.policy.label, "config": ctx.config.name,
+                                 "flow_run_id": ctx.flow_run_id or "-"}, tags={"kind": "update-cycle"})
     p.bridge.log_folder(run_id, folder, "report")
     p.bridge.end_run(run_id)
     return str(path)
 
 
-def idle_result(cycle, reason: str) -> dict:
-    champion = cycle.champion.version
+def idle_result(ctx: CycleContext, reason: str) -> dict:
+    from .runtime import platform
+
+    champion = ctx.champion.version
     get_run_logger().info(f"idle: {reason}")
-    return {"model": cycle.model.name, "outcome": "idle", "promoted": False, "champion": champion.name,
+    return {"model": ctx.model.name, "outcome": "idle", "promoted": False, "champion": champion.name,
             "previous_champion": champion.name, "selected": None, "candidates": {}, "report": None,
-            "reason": reason, "state": str(cycle.platform.state)}
+            "reason": reason, "state": str(platform().state)}
 
 
 @flow(name="update", validate_parameters=True)
@@ -163,63 +196,55 @@ def update(config: str = DEFAULT_CONFIG, policy: str = DEFAULT_POLICY, backbone:
     given, it replaces the config's `data.source`. `backbone`, `skill`, `line`: given, they replace the
     config's fields. Outcome: promoted | rejected | not-promoted (lost a race) | idle."""
     from prefect.runtime import flow_run
-    from registry import alias_holder
 
-    from .components import make_scorer
     from .config import load_update_config
-    from .cycle import Cycle, apply_version
-    from .evaluate import eval_key, evaluate_candidate, record_base
-    from .lineage import already_gated, taught_by_chain
-    from .platform import open_platform
     from .policy import load_policy
-    from .refresh import refresh_atlas
-    from .release import gate, promote
-    from .skills import skill_set
-    from .training import planned_runs, train_skill
+    from .runtime import session
 
     cfg = load_update_config(config, backbone=backbone, skill=skill, line=line)
     if snapshot is not None:
         cfg = replace(cfg, data=replace(cfg.data, source=snapshot))
-    pol = load_policy(policy, cfg.domain_names)
-    cycle = Cycle(cfg, pol, open_platform(), flow_run_id=flow_run.id)
-    log = get_run_logger()
-    try:
-        load_backbone_task(cycle)
-        record_lineage(cycle)
-        prepare_skills(cycle)
-        scorer = make_scorer(cycle.skill)
-        data = skill_set(cycle.skill)
-        taught = taught_by_chain(cycle, data.sha256)
-        if taught is not None:
-            return idle_result(cycle, f"skill {cycle.skill.name!r} snapshot {data.sha256[:12]} is already released "
-                                      f"in the champion's chain ({taught}); nothing new to train")
-        for variant in needed_atlas_variants(cycle):
-            refresh_atlas(cycle, variant)
-        keys = [(m, s, k) for m, s, _, _, k in planned_runs(cycle, data)]
-        if already_gated(cycle, keys, eval_key(cycle)):
-            return idle_result(cycle, f"every candidate of this snapshot was already gated against "
-                                      f"{cycle.champion.version.name} with policy {pol.label}")
-        version_ids = train_skill(cycle)
-        champion = cycle.champion
-        base = champion if champion.version.is_base else apply_version(cycle, cycle.base)
-        champion_v = champion.version
-        candidates = [evaluate_candidate(cycle, v, champion, base, scorer) for v in version_ids if v != champion_v.id]
-        record_base(cycle, base, scorer)
-        outcome = gate(cycle, candidates, None if champion_v.is_base else champion_v.id)
-        release = None
-        if outcome.selected is not None:
-            s = outcome.selected
-            reason = (f"gate {pol.label} passed; {cycle.skill.name} {s.target_score:g} (champion "
-                      f"{s.champion_score:g}) on top of {champion_v.name}; lowest retained KL")
-            release = promote(cycle, s.version_id, reason)
-        report = publish_report(cycle, candidates, outcome, champion_v, release)
-        log.info(f"report: {report}")
-        new_champion = alias_holder(cycle.ledger, cycle.model.id) or cycle.base
-        result = ("promoted" if release is not None else "not-promoted" if outcome.selected is not None else "rejected")
-        return {"model": cycle.model.name, "outcome": result, "promoted": release is not None,
-                "champion": new_champion.name, "previous_champion": champion_v.name,
-                "selected": outcome.selected.name if outcome.selected else None,
-                "candidates": {c.name: outcome.verdict(c.version_id) for c in candidates}, "report": report,
-                "state": str(cycle.platform.state)}
-    finally:
-        cycle.platform.close()
+    with session():
+        return run_cycle(resolve_lineage(cfg, load_policy(policy, cfg.domain_names), flow_run.id))
+
+
+def run_cycle(ctx: CycleContext) -> dict:
+    """The stages after resolve_lineage, each taking and returning plain values."""
+    from registry import alias_holder
+
+    from .evaluate import eval_key, evaluate_candidate, record_base
+    from .lineage import already_gated, taught_by_chain
+    from .refresh import refresh_atlas
+    from .release import gate, promote
+    from .runtime import ledger, platform
+    from .skills import skill_set
+    from .training import planned_runs, train_skill
+
+    data = skill_set(ctx.skill)
+    taught = taught_by_chain(ctx, data.sha256)
+    if taught is not None:
+        return idle_result(ctx, f"skill {ctx.skill.name!r} snapshot {data.sha256[:12]} is already released "
+                                f"in the champion's chain ({taught}); nothing new to train")
+    ctx = replace(ctx, atlases=tuple(refresh_atlas(ctx, variant) for variant in needed_atlas_variants(ctx)))
+    if already_gated(ctx, [(m, s, k) for m, s, _, _, k in planned_runs(ctx, data)], eval_key(ctx)):
+        return idle_result(ctx, f"every candidate of this snapshot was already gated against "
+                                f"{ctx.champion.version.name} with policy {ctx.policy.label}")
+    champion = ctx.champion.version
+    candidates = [evaluate_candidate(ctx, v) for v in train_skill(ctx) if v != champion.id]
+    record_base(ctx)
+    outcome = gate(ctx, candidates)
+    release = None
+    if outcome.selected is not None:
+        s = outcome.selected
+        release = promote(s.version_id, f"gate {ctx.policy.label} passed; {ctx.skill.name} {s.target_score:g} "
+                                         f"(champion {s.champion_score:g}) on top of {champion.name}; lowest retained KL",
+                          ctx.flow_run_id)
+    report = publish_report(ctx, candidates, outcome, release)
+    get_run_logger().info(f"report: {report}")
+    new_champion = alias_holder(ledger(), ctx.model.id) or ctx.base.version
+    result = "promoted" if release is not None else "not-promoted" if outcome.selected is not None else "rejected"
+    return {"model": ctx.model.name, "outcome": result, "promoted": release is not None,
+            "champion": new_champion.name, "previous_champion": champion.name,
+            "selected": outcome.selected.name if outcome.selected else None,
+            "candidates": {c.name: outcome.verdict(c.version_id) for c in candidates}, "report": report,
+            "state": str(platform().state)}

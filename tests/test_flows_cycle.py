@@ -86,13 +86,14 @@ def test_nan_metric_rejects_and_a_failing_task_is_retried(prefect_harness, state
     from prefect.client.orchestration import get_client
 
     import flows.evaluate as evaluate
+    import flows.runtime as runtime
     from flows.update import update
     from registry import get_version, latest_evaluation, latest_gate_decision
 
-    real_kl, real_generate, calls = evaluate.retained_kl, evaluate._generate, []
+    real_kl, real_generate, calls = runtime.retained_kl, evaluate._generate, []
 
-    def nan_for_candidates(cycle, applied, ref, domain):
-        return math.nan if not applied.version.is_base else real_kl(cycle, applied, ref, domain)
+    def nan_for_candidates(ctx, applied, ref_applied, member):
+        return math.nan if not applied.version.is_base else real_kl(ctx, applied, ref_applied, member)
 
     def fail_once(*args, **kwargs):
         calls.append(1)
@@ -100,7 +101,7 @@ def test_nan_metric_rejects_and_a_failing_task_is_retried(prefect_harness, state
             raise ConnectionError("injected: the scorer's worker went away")
         return real_generate(*args, **kwargs)
 
-    monkeypatch.setattr(evaluate, "retained_kl", nan_for_candidates)
+    monkeypatch.setattr(runtime, "retained_kl", nan_for_candidates)
     monkeypatch.setattr(evaluate, "_generate", fail_once)
     config, policy = tiny_files(tmp_path / "cfg", PASSING_POLICY | {"candidates": {"methods": ["atlas"], "seeds": [0]}})
     result = update(config, policy)

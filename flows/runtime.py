@@ -1,0 +1,203 @@
+"""Process resources of the cycle stages, looked up by the plain values the stages pass.
+
+A stage receives ids, names and sha256s (flows/cycle.py); what it computes with is heavy and
+process-bound: the opened platform (ledger, store, MLflow), the loaded backbone, verified
+deltas and atlases, retained-KL prefix caches and reference states. Each is built on first
+use and kept, keyed by content, until the outermost `session()` ends, so the stages of one
+cycle share one backbone and one prefix cache per member without passing any mutable
+object between them.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+_memo: dict[tuple, object] = {}
+_depth = 0
+
+
+def _cached(key: tuple, build: Callable[[], object]):
+    if key not in _memo:
+        _memo[key] = build()
+    return _memo[key]
+
+
+@contextmanager
+def session():
+    """Resources live until the outermost session ends (then the ledger is closed and the
+    backbone freed); sessions nest, so a stage run alone or inside `update` behaves the same."""
+    global _depth
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if _depth == 0:
+            close()
+
+
+def close() -> None:
+    for key, value in list(_memo.items()):
+        if key[0] == "platform":
+            value.close()
+    _memo.clear()
+
+
+# ------------------------------------------------------------------------------ records
+def platform():
+    """The platform of the current environment (flows.platform.open_platform), opened once."""
+    from atlas_core.paths import state_dir
+
+    from .platform import open_platform
+
+    env = tuple(os.environ.get(k) for k in ("ATLAS_LEDGER_URL", "ATLAS_ARTIFACT_STORE", "ATLAS_MLFLOW_TRACKING_URI"))
+    return _cached(("platform", str(state_dir()), env), open_platform)
+
+
+def ledger():
+    return platform().ledger
+
+
+def fetch_verified(sha256: str, manifest_sha256: str, name: str) -> Path:
+    """A stored tensor file with its manifest, copied (verified) into the local cache."""
+    p = platform()
+    path = p.state / "cache" / "artifacts" / sha256[:16] / f"{name}.safetensors"
+    if not path.exists():
+        p.store.fetch(manifest_sha256, path.with_suffix(".json"))
+        p.store.fetch(sha256, path)
+    return path
+
+
+# ------------------------------------------------------------------------------ model
+def load_backbone(name: str, dtype: str):
+    """The loaded backbone (flows.components.load_model); also found later by its resolved dtype."""
+    from .components import load_model
+
+    bb = _cached(("backbone", name, dtype), lambda: load_model(name, dtype))
+    _memo.setdefault(("backbone", name, bb.dtype), bb)
+    return bb
+
+
+def backbone(ref):
+    """The backbone of a flows.cycle.BackboneRef."""
+    return load_backbone(ref.name, ref.dtype)
+
+
+def scorer(spec):
+    """The target scorer of a flows.skills.SkillSpec (built once per spec)."""
+    from .components import json_dumps, make_scorer
+
+    return _cached(("scorer", json_dumps(spec.target)), lambda: make_scorer(spec))
+
+
+def atlas_file(path: str):
+    from atlas_core.atlas import Atlas
+
+    atlas = Atlas.load(path)
+    return _cached(("atlas", atlas.sha256), lambda: atlas)
+
+
+def stored_atlas(atlas_id: int, sha256: str):
+    """A recorded atlas by its file's sha256 (e.g. the one a parent release was trained with)."""
+    from registry import atlas_files
+
+    key = ("atlas", sha256)
+    if key not in _memo:
+        atlas_file(str(fetch_verified(*atlas_files(ledger(), atlas_id), "atlas")))
+    return _memo[key]
+
+
+def delta(version):
+    """The one delta a version (registry.VersionInfo) adds to its parent, fetched and verified."""
+    from atlas_core.chain import load_delta
+    from registry import run_checkpoints
+
+    def build():
+        metrics = {cid: m for cid, _, _, m in run_checkpoints(ledger(), version.training_run_id)}[version.checkpoint_id]
+        path = fetch_verified(version.adapter_sha256, metrics["manifest_sha256"], "adapter")
+        return load_delta(path, lambda sha: stored_atlas(version.atlas_id, sha) if version.atlas_id else None)
+
+    return _cached(("delta", version.adapter_sha256), build)
+
+
+def chain(applied):
+    """The atlas_core.chain.Chain of a flows.cycle.Applied, every delta verified."""
+    from atlas_core.chain import Chain
+
+    return Chain([delta(v) for v in applied.deltas])
+
+
+@contextmanager
+def applied_on(ctx, applied):
+    """The cycle's backbone behaving as this version (generation, choice, KL, scoring)."""
+    model = backbone(ctx.backbone).model
+    with chain(applied).attached(model):
+        yield model
+
+
+# ------------------------------------------------------------------------------ retained KL
+def gate_texts(ctx, member: str) -> list[str]:
+    """A member's retained-KL contexts (flows.retained.gate_texts), rendered once per spec."""
+    from . import retained
+    from .components import json_dumps
+
+    key = ("gate_texts", ctx.backbone.name, json_dumps([retained.member_spec(ctx, member), ctx.config.retained.kl_contexts]))
+    return _cached(key, lambda: retained.gate_texts(ctx, member))
+
+
+def _kl_key(ctx, member: str) -> tuple:
+    from .config import digest
+
+    r = ctx.config.retained
+    return ("kl", ctx.backbone.name, ctx.backbone.dtype, ctx.kl_layer, r.kl_max_tokens, digest(gate_texts(ctx, member)))
+
+
+def kl_set(ctx, member: str):
+    """A member's gating contexts with their frozen prefix states (built before any delta is
+    attached, so the cache holds the base model's states), keyed by the texts themselves."""
+    from evaluation.kl import RetainedKL
+
+    def build():
+        bb = backbone(ctx.backbone)
+        kl = RetainedKL(bb.model, bb.tokenizer, gate_texts(ctx, member), ctx.kl_layer,
+                        max_length=ctx.config.retained.kl_max_tokens, progress=False)
+        kl.prefix()
+        return kl
+
+    return _cached(_kl_key(ctx, member), build)
+
+
+@torch.no_grad()
+def reference(ctx, applied, member: str) -> list:
+    """The version's final hidden states on a member's contexts (a KL reference)."""
+    kl = kl_set(ctx, member)
+
+    def build():
+        with applied_on(ctx, applied):
+            return kl.reference(None)
+
+    return _cached(("reference", _kl_key(ctx, member), tuple(v.adapter_sha256 for v in applied.deltas)), build)
+
+
+@torch.no_grad()
+def retained_kl(ctx, applied, ref_applied, member: str) -> float:
+    """Mean KL(p_ref || p_version) in nats/token over the member's contexts."""
+    kl, ref = kl_set(ctx, member), reference(ctx, ref_applied, member)
+    with applied_on(ctx, applied):
+        return kl.kl(ref, None).mean
+
+
+def resolve_applied(version):
+    """A version (registry.VersionInfo) as a flows.cycle.Applied, every delta loaded and verified."""
+    from registry import version_chain as chain_of
+
+    from .cycle import Applied
+
+    deltas = () if version.is_base else tuple(chain_of(ledger(), version.id))
+    loaded = chain(Applied(version, deltas))
+    return Applied(version, deltas, loaded.lowest_layer)
+
