@@ -104,8 +104,8 @@ def _crash_after_checkpoints(config: str, policy: str, after: int) -> None:
 
     original, seen = training.record_checkpoint_files, set()
 
-    def record_then_die(cycle, training_run_id, path):
-        out = original(cycle, training_run_id, path)
+    def record_then_die(evaluate, training_run_id, path):
+        out = original(evaluate, training_run_id, path)
         seen.add(str(path))  # recording one again (reconcile) does not count
         if len(seen) >= after:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,115 @@
+"""The cycle's stages run one by one on plain values: each validates its parameters, returns a
+frozen value that survives pickling and Prefect's result persistence, and needs nothing from an
+earlier stage but those values (resources are rebuilt in a fresh runtime session)."""
+from __future__ import annotations
+
+import math
+import pickle
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tests.flows_fixtures import PASSING_POLICY, prefect_harness, state, tiny_files  # noqa: F401
+
+ATLAS_ONLY = PASSING_POLICY | {"candidates": {"methods": ["atlas"], "seeds": [0]}}
+
+
+def _inputs(tmp_path: Path, policy: dict = ATLAS_ONLY):
+    from flows.config import load_update_config
+    from flows.policy import load_policy
+
+    config, policy_file = tiny_files(tmp_path / "cfg", policy)
+    cfg = load_update_config(config)
+    return cfg, load_policy(policy_file, cfg.domain_names)
+
+
+def test_each_stage_runs_alone_on_the_values_of_the_one_before(prefect_harness, state, tmp_path):
+    from flows import runtime
+    from flows.cycle import AtlasRef, CycleContext
+    from flows.evaluate import evaluate_candidate
+    from flows.gates import CandidateMetrics
+    from flows.refresh import refresh_atlas
+    from flows.release import GateOutcome, gate, promote
+    from flows.training import train_skill
+    from flows.update import resolve_lineage
+    from registry import ReleaseInfo, latest_gate_decision
+
+    cfg, pol = _inputs(tmp_path)
+    with runtime.session():
+        ctx = resolve_lineage(cfg, pol)
+        assert isinstance(ctx, CycleContext) and ctx.champion.version.is_base and ctx.champion.deltas == ()
+        assert ctx.champion_id is None and ctx.released == () and ctx.layer == 2 and ctx.kl_layer == 1
+        fitted = refresh_atlas(ctx, "local")
+        assert isinstance(fitted, AtlasRef) and Path(fitted.path).is_file()
+    assert runtime._memo == {}  # the session's end freed the backbone, the ledger and every cache
+
+    with runtime.session():  # as a new process would: only the plain values carry over
+        ctx = pickle.loads(pickle.dumps(ctx))
+        stored = refresh_atlas(ctx, "local")  # reused by content hash, fetched and verified
+        assert (stored.atlas_id, stored.sha256, stored.content_hash) == (fitted.atlas_id, fitted.sha256,
+                                                                         fitted.content_hash)
+        ctx = replace(ctx, atlases=(stored,))
+        versions = train_skill(ctx)
+        assert len(versions) == 2  # one candidate per epoch end
+        metrics = [evaluate_candidate(ctx, v) for v in versions]
+        assert all(isinstance(m, CandidateMetrics) and m.evaluation_id for m in metrics)
+        assert all(set(m.kl_vs_base) == set(m.kl_vs_champion) == {"gsm8k", "csqa"} for m in metrics)
+        assert evaluate_candidate(ctx, versions[0]) == metrics[0]  # the stored evaluation, read back
+
+        # The gate alone, on a hand-made record: a NaN fails closed and the decision is recorded.
+        broken = replace(metrics[0], kl_vs_base={"gsm8k": math.nan, "csqa": 0.0}, evaluation_id=None)
+        rejected = gate(ctx, [broken])
+        assert not rejected.verdict(broken.version_id) and rejected.selected is None
+        assert latest_gate_decision(runtime.ledger(), broken.version_id).id == rejected.decisions[broken.version_id]
+
+        outcome = gate(ctx, metrics)
+        assert isinstance(outcome, GateOutcome) and set(outcome.decisions) == set(versions)
+        assert outcome.selected is not None and pickle.loads(pickle.dumps(outcome)) == outcome
+        release = promote(outcome.selected.version_id, "stage test", None)
+        assert isinstance(release, ReleaseInfo) and release.version_id == outcome.selected.version_id
+
+        after = resolve_lineage(cfg, pol)
+        assert after.champion_id == release.version_id and [v.id for v in after.champion.deltas] == [release.version_id]
+        assert after.champion.lowest_layer == 2 and after.kl_layer == 1 and after.base == ctx.base
+
+
+def test_stages_validate_their_parameters(prefect_harness, state, tmp_path):
+    from prefect.exceptions import ParameterTypeError
+
+    from flows import runtime
+    from flows.evaluate import evaluate_candidate
+    from flows.refresh import refresh_atlas
+    from flows.release import gate, promote
+    from flows.update import resolve_lineage
+
+    cfg, pol = _inputs(tmp_path)
+    with runtime.session():
+        with pytest.raises(ParameterTypeError, match="ctx"):
+            evaluate_candidate("a context", 1)
+        with pytest.raises(ParameterTypeError, match="policy"):
+            resolve_lineage(cfg, "configs/policy/default.yaml")  # a path, not a loaded policy
+        ctx = resolve_lineage(cfg, pol)
+        with pytest.raises(ParameterTypeError, match="variant"):
+            refresh_atlas(ctx, ["local"])
+        with pytest.raises(ParameterTypeError, match="candidates"):
+            gate(ctx, [{"version_id": "two"}])
+        with pytest.raises(ParameterTypeError, match="version_id"):
+            promote("seven", "reason")
+
+
+def test_a_stage_result_is_persisted_and_read_back(prefect_harness, state, tmp_path):
+    from prefect.filesystems import LocalFileSystem
+    from prefect.results import ResultStore
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+
+    from flows import runtime
+    from flows.update import resolve_lineage
+
+    cfg, pol = _inputs(tmp_path)
+    results = tmp_path / "results"
+    with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: str(results)}), runtime.session():
+        ctx = resolve_lineage.with_options(persist_result=True)(cfg, pol)
+    (stored,) = results.iterdir()
+    record = ResultStore(result_storage=LocalFileSystem(basepath=str(results))).read(stored.name)
+    assert record.result == ctx and record.result.champion.version.name.endswith("-base")
