@@ -13,8 +13,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
-from evaluation.answers import Answer
+if TYPE_CHECKING:  # kept light: registry classifies stored answers with `flip_kind` too
+    from evaluation.answers import Answer
+
+
+def flip_kind(ref_correct: bool, ref_answer: Optional[str], new_correct: bool, new_answer: Optional[str]) -> Optional[str]:
+    """'F', 'G' or 'W' for one question going from the reference's answer to the new one; None: unchanged."""
+    if ref_correct and not new_correct:
+        return "F"
+    if not ref_correct and new_correct:
+        return "G"
+    if not ref_correct and not new_correct and ref_answer != new_answer:
+        return "W"
+    return None
 
 
 @dataclass(frozen=True)
@@ -55,15 +68,8 @@ def answer_churn(reference: Mapping[str, Answer] | Iterable[Answer], new: Mappin
     n = len(ref)
     if n == 0:
         raise ValueError("answer sets are empty")
-    F = G = W = 0
-    for qid, r in ref.items():
-        c = cur[qid]
-        if r.correct and not c.correct:
-            F += 1
-        elif not r.correct and c.correct:
-            G += 1
-        elif not r.correct and not c.correct and r.answer != c.answer:
-            W += 1
+    kinds = [flip_kind(r.correct, r.answer, cur[qid].correct, cur[qid].answer) for qid, r in ref.items()]
+    F, G, W = (kinds.count(k) for k in "FGW")
     return Churn(
         n=n, F=F, G=G, W=W,
         churn=(F + G + W) / n,

@@ -125,6 +125,8 @@ def _text_table(header: list[str], rows: list[list[str]]) -> list[str]:
 def answer_churn(a: dict[tuple[str, str], AnswerRecord],
                  b: dict[tuple[str, str], AnswerRecord]) -> tuple[list[ChurnRow], list[Flip]]:
     """Per-dataset F/G/W (plus an 'all' row) and the flipped questions, going from a to b."""
+    from evaluation.churn import flip_kind  # the one F/G/W classifier (evaluation, gates, registry)
+
     datasets = sorted({d for d, _ in a} | {d for d, _ in b})
     rows: list[ChurnRow] = []
     flips: list[Flip] = []
@@ -134,13 +136,8 @@ def answer_churn(a: dict[tuple[str, str], AnswerRecord],
         counts = {"F": 0, "G": 0, "W": 0}
         for q in sorted(qa & qb):
             old, new = a[(dataset, q)], b[(dataset, q)]
-            if old.correct and not new.correct:
-                kind = "F"
-            elif not old.correct and new.correct:
-                kind = "G"
-            elif not old.correct and not new.correct and old.answer != new.answer:
-                kind = "W"
-            else:
+            kind = flip_kind(old.correct, old.answer, new.correct, new.answer)
+            if kind is None:
                 continue
             counts[kind] += 1
             flips.append(Flip(dataset, q, kind, old.answer, new.answer))

@@ -115,3 +115,23 @@ def test_choice_churn_is_share_of_changed_choices() -> None:
 def test_answer_given_waits_for_the_whole_number(text: str, given: str | None) -> None:
     match = ANSWER_GIVEN.search(text)
     assert (extract_gsm8k_answer(text[: match.end()]) if match else None) == given
+
+
+def test_registry_counts_flips_with_the_same_classifier():
+    """Stored answers compared in the ledger (registry.compare) give the F/G/W that evaluation
+    counts from fresh answers and the gates read: every (correct, answer) transition."""
+    from itertools import product
+
+    from registry.compare import answer_churn as ledger_churn
+    from registry.records import AnswerRecord
+
+    states = [(True, "1"), (False, "2"), (False, "3"), (False, None)]
+    pairs = list(product(states, states))
+    ref = {f"q{i}": Answer(f"q{i}", a, c) for i, ((c, a), _) in enumerate(pairs)}
+    new = {f"q{i}": Answer(f"q{i}", a, c) for i, (_, (c, a)) in enumerate(pairs)}
+    fresh = answer_churn(ref, new)
+    rows, flips = ledger_churn({("d", q): AnswerRecord("d", q, x.answer, x.correct) for q, x in ref.items()},
+                               {("d", q): AnswerRecord("d", q, x.answer, x.correct) for q, x in new.items()})
+    assert (rows[0].flips_f, rows[0].flips_g, rows[0].flips_w, rows[0].n) == (fresh.F, fresh.G, fresh.W, fresh.n)
+    assert (fresh.F, fresh.G, fresh.W) == (3, 3, 6)  # 1 correct x 3 wrong each way; 3 wrong x 2 other wrong
+    assert len(flips) == fresh.F + fresh.G + fresh.W
