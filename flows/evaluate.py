@@ -255,6 +255,9 @@ def record_base(ctx: CycleContext) -> None:
     if ev is not None and evaluation_extra(ledger(), ev.id).get("eval_key") == eval_key(ctx):
         return
     answers = all_answers(ctx, base)
+    score = score_of(scorer_for(ctx, "target"), answers["target"])
     record_evaluation(ledger(), EvaluationRecord(
         base.version.id, solved(answers), len(answers["target"]), [DomainKL(d, 0.0) for d in ctx.members],
-        extra={"eval_key": eval_key(ctx), "skill": ctx.skill.name}, flow_run_id=ctx.flow_run_id))
+        extra={"eval_key": eval_key(ctx), "skill": ctx.skill.name,
+               "target_score": score if math.isfinite(score) else None},
+        flow_run_id=ctx.flow_run_id))

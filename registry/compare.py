@@ -16,6 +16,7 @@ from registry.db import Ledger, LedgerError
 from registry.lines import base_version, get_model, get_version, list_versions
 from registry.mlflow_bridge import MANAGED_ALIASES, MlflowBridge
 from registry.promotion import alias_holder, list_releases
+from registry.queries import evaluation_extra
 from registry.records import AnswerRecord, EvaluationInfo, FlipRates, VersionInfo
 from registry.results import get_answers, latest_evaluation
 from registry.store import atomic_write_text
@@ -149,12 +150,22 @@ def answer_churn(a: dict[tuple[str, str], AnswerRecord],
     return rows, flips
 
 
-def _evaluation_metrics(ev: Optional[EvaluationInfo], version: VersionInfo) -> dict[str, Optional[float]]:
+def _evaluation_metrics(ev: Optional[EvaluationInfo], extra: dict, skill: Optional[str],
+                        version: VersionInfo) -> dict[str, Optional[float]]:
+    """A version's numbers from its latest evaluation. Target numbers are keyed by the skill the
+    evaluation's target scorer measured (`target_solved[code]`), so two releases of different
+    skills never share a target row; `score[s]` is the scorer's value of skill s (the target's
+    and each released skill's no-regression score)."""
     metrics: dict[str, Optional[float]] = {}
     if ev is None:
         return metrics
-    metrics["target_solved"] = ev.target_solved
-    metrics["target_total"] = ev.target_total
+    key = f"[{skill}]" if skill else ""
+    metrics[f"target_solved{key}"] = ev.target_solved
+    metrics[f"target_total{key}"] = ev.target_total
+    if extra.get("target_score") is not None:
+        metrics[f"score{key}"] = extra["target_score"]
+    for name, regression in sorted(extra.get("released", {}).items()):
+        metrics[f"score[{name}]"] = regression.get("score")
     for kl in ev.kl:
         metrics[f"kl_vs_base[{kl.domain}]"] = 0.0 if version.is_base else kl.kl_vs_base
     base_churn = ev.churn_total("base")
@@ -164,6 +175,17 @@ def _evaluation_metrics(ev: Optional[EvaluationInfo], version: VersionInfo) -> d
     if ev.csqa_choice_churn is not None:
         metrics["csqa_choice_churn"] = ev.csqa_choice_churn
     return metrics
+
+
+def _paired_scores(ev: Optional[EvaluationInfo], extra: dict, skill: Optional[str], reference_id: int) -> dict:
+    """The reference's scores as measured in the same evaluation as `ev` (same subsets, same
+    cycle), when `ev` was measured against that reference."""
+    if ev is None or ev.release_version_id != reference_id:
+        return {}
+    paired = {f"score[{name}]": r.get("champion_score") for name, r in extra.get("released", {}).items()}
+    if skill and extra.get("champion_score") is not None:
+        paired[f"score[{skill}]"] = extra["champion_score"]
+    return paired
 
 
 def resolve_version(ledger: Ledger, model: int | str, ref: str) -> VersionInfo:
@@ -203,8 +225,14 @@ def resolve_version(ledger: Ledger, model: int | str, ref: str) -> VersionInfo:
 def compare_versions(ledger: Ledger, version_a: int, version_b: int) -> Comparison:
     """Compare B against A (pass the base version's id as A to compare with the backbone)."""
     va, vb = get_version(ledger, version_a), get_version(ledger, version_b)
-    ma = _evaluation_metrics(latest_evaluation(ledger, version_a), va)
-    mb = _evaluation_metrics(latest_evaluation(ledger, version_b), vb)
+    ea, eb = latest_evaluation(ledger, version_a), latest_evaluation(ledger, version_b)
+    xa, xb = (evaluation_extra(ledger, e.id) if e else {} for e in (ea, eb))
+    # The base teaches nothing: its target is the skill its evaluation recorded; a ledger from
+    # before lines recorded none, and then a line had one skill, the other side's.
+    sa, sb = va.skill or xa.get("skill"), vb.skill or xb.get("skill")
+    sa, sb = sa or sb, sb or sa
+    ma, mb = _evaluation_metrics(ea, xa, sa, va), _evaluation_metrics(eb, xb, sb, vb)
+    ma.update(_paired_scores(eb, xb, sb, version_a))
     if va.is_base:  # the base's KL to itself is zero by definition, measured or not
         ma.update({k: 0.0 for k in mb if k.startswith("kl_vs_base[")})
     names = list(dict.fromkeys([*ma, *mb]))

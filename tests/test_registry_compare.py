@@ -65,7 +65,8 @@ def test_comparison_with_the_base_reports_exactly_the_written_flips(ledger, stor
     assert (rows["csqa"].flips_w, rows["csqa"].n, rows["csqa"].only_in_a) == (1, 2, 1)
     assert rows["all"].churn == pytest.approx(4 / 7) and rows["all"].nfr == pytest.approx(1 / 7)
     metrics = {m.name: m for m in c.metrics}
-    assert (metrics["target_solved"].a, metrics["target_solved"].b, metrics["target_solved"].delta) == (10, 12, 2)
+    assert (metrics["target_solved[gsm8k]"].a, metrics["target_solved[gsm8k]"].b,
+            metrics["target_solved[gsm8k]"].delta) == (10, 12, 2)
     assert metrics["kl_vs_base[gsm8k]"].a == 0.0 and metrics["kl_vs_base[gsm8k]"].delta == pytest.approx(0.02)
     assert metrics["kl_vs_base[csqa]"].a == 0.0  # the base's KL to itself, even where not measured
     assert metrics["csqa_choice_churn"].a is None and metrics["csqa_choice_churn"].delta is None
@@ -82,7 +83,7 @@ def test_comparison_between_two_versions_has_a_direction(ledger, store):
     total = {row.dataset: row for row in forward.churn}["all"]
     assert (total.flips_f, total.flips_g, total.flips_w, total.n) == (1, 1, 1, 8)
     delta = {m.name: m.delta for m in forward.metrics}
-    assert delta["target_solved"] == 3 and delta["kl_vs_base[gsm8k]"] == pytest.approx(0.03)
+    assert delta["target_solved[gsm8k]"] == 3 and delta["kl_vs_base[gsm8k]"] == pytest.approx(0.03)
     assert delta["nfr_vs_base"] == pytest.approx(0.0)
     assert r.compare_versions(ledger, v1.id, v1.id).flips == []
 
@@ -97,7 +98,7 @@ def test_comparison_outputs(ledger, store, bridge, mlflow_config, tmp_path):
     markdown = c.to_markdown()
     assert f"# {v1.name} vs {base.name}" in markdown
     assert "| gsm8k | q1 | F | '4' | '5' |" in markdown
-    assert "| target_solved | 10 | 12 | +2 |" in markdown
+    assert "| target_solved[gsm8k] | 10 | 12 | +2 |" in markdown
     table = c.to_table()
     assert "Flipped questions" in table and "q3" in table and "0.5714" in table
     md_path, json_path = c.write(tmp_path / "report")
@@ -149,3 +150,28 @@ def test_versions_are_found_by_the_names_people_use(ledger, store):
     assert r.resolve_version(ledger, model_id, "champion").id == v1.id
     with pytest.raises(r.LedgerError, match=f"matches 0 versions .*{v2.name}"):
         r.resolve_version(ledger, model_id, "v9")
+
+
+def test_releases_of_different_skills_never_share_a_target_row(ledger, store):
+    """v2 teaches another skill on top of v1: its target row is its own skill's, and v1's side of
+    each score row is the one measured with v2 (the champion's score on v2's target, and the
+    released skill's no-regression score)."""
+    _, base, v1, _ = hand_made(ledger, store)
+    model_id, (v2,) = make_candidates(ledger, store, unique_backbone(), skill="format", seeds=(0,))
+    v2 = r.get_version(ledger, v2.id)
+    r.record_evaluation(ledger, r.EvaluationRecord(
+        v2.id, 3, 4, [r.DomainKL("gsm8k", 0.01)], release_version_id=v1.id,
+        extra={"target_score": 1.1, "champion_score": 1.4,
+               "released": {"gsm8k": {"n": 20, "champion_score": 12.0, "score": 11.0, "mean_drop": 0.05,
+                                      "sd_drop": 0.2}}}))
+    metrics = {m.name: m for m in r.compare_versions(ledger, v1.id, v2.id).metrics}
+    assert (metrics["target_solved[gsm8k]"].a, metrics["target_solved[gsm8k]"].b) == (12, None)
+    assert (metrics["target_solved[format]"].a, metrics["target_solved[format]"].b) == (None, 3)
+    assert (metrics["score[format]"].a, metrics["score[format]"].b) == (1.4, 1.1)
+    assert (metrics["score[gsm8k]"].a, metrics["score[gsm8k]"].b) == (12.0, 11.0)
+    assert "target_solved" not in metrics
+
+    # A base evaluation records the skill it measured; one from before lines is the other side's.
+    r.record_evaluation(ledger, r.EvaluationRecord(base.id, 9, 20, [], extra={"skill": "format"}))
+    against_base = {m.name for m in r.compare_versions(ledger, base.id, v1.id).metrics}
+    assert {"target_solved[format]", "target_solved[gsm8k]"} <= against_base
