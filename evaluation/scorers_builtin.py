@@ -83,23 +83,31 @@ class Gsm8kOptions:
         positive(self, "limit", "max_new_tokens", "batch_size")
 
 
-class Gsm8kAccuracyScorer(TargetScorer):
+class _BenchmarkScorer(TargetScorer):
+    """A built-in benchmark split, scored question by question: answer = the extracted answer."""
+
+    def problem_ids(self) -> list[str]:
+        return _first(list(self.load(self.options.split)["id"]), self.options.limit)
+
+    def score(self, model: Any, tokenizer: Any) -> dict[str, ProblemScore]:
+        got = self.answers(model, tokenizer)
+        return in_order(self.problem_ids(), {a.id: solved(a.answer, a.correct) for a in got}, self.name)
+
+
+class Gsm8kAccuracyScorer(_BenchmarkScorer):
     """Greedy GSM8K: the extracted final number against the reference; answer = that number."""
 
     name, Options = "gsm8k-accuracy", Gsm8kOptions
+    load = staticmethod(load_gsm8k)
 
     def __init__(self, options: Gsm8kOptions | None = None):
         self.options = o = options or Gsm8kOptions()
         self.dataset = f"gsm8k-accuracy@{o.split}:{limit_tag(o.limit)}:{o.max_new_tokens}tok"
 
-    def problem_ids(self) -> list[str]:
-        return _first(list(load_gsm8k(self.options.split)["id"]), self.options.limit)
-
-    def score(self, model: Any, tokenizer: Any) -> dict[str, ProblemScore]:
+    def answers(self, model: Any, tokenizer: Any) -> list:
         o = self.options
-        got = eval_gsm8k(model, tokenizer, split=o.split, limit=o.limit, max_new_tokens=o.max_new_tokens,
-                         batch_size=o.batch_size).answers
-        return in_order(self.problem_ids(), {a.id: solved(a.answer, a.correct) for a in got}, self.name)
+        return eval_gsm8k(model, tokenizer, split=o.split, limit=o.limit, max_new_tokens=o.max_new_tokens,
+                          batch_size=o.batch_size).answers
 
 
 @dataclass
@@ -113,22 +121,19 @@ class CsqaOptions:
         positive(self, "limit", "batch_size")
 
 
-class CsqaChoiceScorer(TargetScorer):
+class CsqaChoiceScorer(_BenchmarkScorer):
     """Conditional choice: the label A-E with the highest next-token likelihood; answer = that label."""
 
     name, Options = "csqa-choice", CsqaOptions
+    load = staticmethod(load_csqa)
 
     def __init__(self, options: CsqaOptions | None = None):
         self.options = o = options or CsqaOptions()
         self.dataset = f"csqa-choice@{o.split}:{limit_tag(o.limit)}"
 
-    def problem_ids(self) -> list[str]:
-        return _first(list(load_csqa(self.options.split)["id"]), self.options.limit)
-
-    def score(self, model: Any, tokenizer: Any) -> dict[str, ProblemScore]:
+    def answers(self, model: Any, tokenizer: Any) -> list:
         o = self.options
-        got = eval_csqa_choice(model, tokenizer, split=o.split, limit=o.limit, batch_size=o.batch_size).answers
-        return in_order(self.problem_ids(), {a.id: solved(a.answer, a.correct) for a in got}, self.name)
+        return eval_csqa_choice(model, tokenizer, split=o.split, limit=o.limit, batch_size=o.batch_size).answers
 
 
 @dataclass
