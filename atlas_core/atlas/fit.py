@@ -90,15 +90,17 @@ def local_pca(members: torch.Tensor, center: torch.Tensor, m: int, generator: to
     Uses the n x n Gram matrix (n members << d). A chart with fewer than m independent
     offsets gets its basis completed with random orthonormal directions (singular value 0).
     """
-    offsets = members - center  # (n, d)
+    # In float64: U = X^T V / sigma is orthonormal only to eps * lambda_max / lambda, and kept
+    # directions go down to 1e-5 of lambda_max (fp32 would leave errors of ~1e-2 there).
+    offsets = (members - center).double()  # (n, d)
     gram = offsets @ offsets.T  # (n, n)
     evals, evecs = torch.linalg.eigh(gram)  # ascending
     evals, evecs = evals.flip(0)[:m], evecs.flip(1)[:, :m]
     # Eigenvalues below fp32 round-off of the largest are noise, not directions.
     keep = evals > evals.max().clamp_min(1e-30) * 1e-5 if len(evals) else evals.bool()
     sigma = torch.zeros(m, dtype=members.dtype)
-    sigma[: int(keep.sum())] = evals[keep].sqrt()
-    basis = offsets.T @ evecs[:, keep] / sigma[: int(keep.sum())]  # (d, rank) orthonormal
+    sigma[: int(keep.sum())] = evals[keep].sqrt().to(members.dtype)
+    basis = (offsets.T @ evecs[:, keep] / evals[keep].sqrt()).to(members.dtype)  # (d, rank) orthonormal
     if basis.shape[1] < m:
         basis = _complete_basis(basis, m, generator)
     return basis, sigma
