@@ -7,6 +7,7 @@ Every check carries its threshold and measured value so the ledger can show exac
 from __future__ import annotations
 
 import math
+from numbers import Integral
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -110,9 +111,10 @@ def target_check(c: CandidateMetrics, policy: ReleasePolicy) -> GateCheckRecord:
         return GateCheckRecord(name, need, None, False, "missing: target score of candidate or champion not measured")
     if not (math.isfinite(c.target_score) and math.isfinite(c.champion_score)):
         return GateCheckRecord(name, need, math.nan, False, "not finite: target score of candidate or champion")
-    if c.target_solved is not None and not (0 <= c.target_solved <= c.target_total):
-        return GateCheckRecord(name, need, float(c.target_score - c.champion_score), False,
-                               f"out of range: solved {c.target_solved} of {c.target_total}")
+    for who, solved in (("candidate", c.target_solved), ("champion", c.champion_solved)):
+        if solved is not None and not (isinstance(solved, Integral) and 0 <= solved <= c.target_total):
+            return GateCheckRecord(name, need, float(c.target_score - c.champion_score), False,
+                                   f"out of range: {who} solved {solved} of {c.target_total}")
     gain = (c.target_score - c.champion_score) * (1 if c.higher_is_better else -1)
     unit = "" if c.higher_is_better else " (lower is better)"
     return GateCheckRecord(name, need, float(gain), gain >= need,
@@ -203,9 +205,19 @@ def finite_check(c: CandidateMetrics) -> GateCheckRecord:
 
 
 def run_checks(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[list[str]] = None) -> list[GateCheckRecord]:
-    """Every check of the policy; `domains`: the configured retained domains the cycle watches."""
-    return [target_check(c, policy), *kl_checks(c, policy, domains), *no_regression_checks(c, policy),
-            *nfr_checks(c, policy, domains), *churn_check(c, policy, domains), finite_check(c)]
+    """Every check of the policy; `domains`: the configured retained domains the cycle watches.
+    Never raises: a family of checks that cannot be computed on these values is one failed check."""
+    families = [("target_gain_vs_champion", lambda: [target_check(c, policy)]),
+                ("kl", lambda: kl_checks(c, policy, domains)), ("no_regression", lambda: no_regression_checks(c, policy)),
+                ("nfr", lambda: nfr_checks(c, policy, domains)), ("csqa_choice_churn", lambda: churn_check(c, policy, domains)),
+                ("all_metrics_finite", lambda: [finite_check(c)])]
+    out = []
+    for name, checks in families:
+        try:
+            out += checks()
+        except Exception as e:  # fail closed, with the reason recorded
+            out.append(GateCheckRecord(name, None, None, False, f"could not be computed: {type(e).__name__}: {e}"))
+    return out
 
 
 def passed(checks: list[GateCheckRecord]) -> bool:

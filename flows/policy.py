@@ -11,6 +11,7 @@ a small evaluation cannot pass a strict NFR limit by luck.
 from __future__ import annotations
 
 import math
+from numbers import Integral, Real
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import NormalDist
@@ -148,11 +149,17 @@ def load_policy(path: str | Path, domains: list[str] | None = None) -> ReleasePo
 
 
 # ------------------------------------------------------------------------ confidence bounds
+def _counts_ok(k, n, confidence: float) -> bool:
+    """Integer counts 0 <= k <= n, n >= 1 (of any size), and a confidence strictly inside (0, 1)."""
+    counts = all(isinstance(v, Integral) and not isinstance(v, bool) for v in (k, n))
+    return counts and 0 <= k <= n and n >= 1 and isinstance(confidence, Real) and 0.0 < confidence < 1.0
+
+
 def wilson_upper(k: int, n: int, confidence: float = 0.95) -> float:
-    """One-sided Wilson score upper bound of a binomial rate k/n."""
-    if n <= 0:
+    """One-sided Wilson score upper bound of a binomial rate k/n (NaN for impossible counts)."""
+    if not _counts_ok(k, n, confidence):
         return math.nan
-    z = NormalDist().inv_cdf(confidence)
+    z, n = NormalDist().inv_cdf(confidence), float(n)
     p = k / n
     centre = p + z * z / (2 * n)
     spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
@@ -160,21 +167,16 @@ def wilson_upper(k: int, n: int, confidence: float = 0.95) -> float:
 
 
 def clopper_pearson_upper(k: int, n: int, confidence: float = 0.95) -> float:
-    """One-sided exact (Clopper-Pearson) upper bound: the p with P(X <= k | n, p) = 1 - confidence."""
-    if n <= 0:
+    """One-sided exact (Clopper-Pearson) upper bound: the p with P(X <= k | n, p) = 1 - confidence,
+    i.e. the `confidence` quantile of Beta(k + 1, n - k) (regularised incomplete beta: no binomial
+    sums, so no overflow at any n). NaN for impossible counts."""
+    if not _counts_ok(k, n, confidence):
         return math.nan
     if k >= n:
         return 1.0
-    alpha = 1 - confidence
+    from scipy.special import betaincinv
 
-    def cdf(p: float) -> float:
-        return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k + 1))
-
-    lo, hi = k / n, 1.0
-    for _ in range(100):  # cdf falls monotonically in p; bisection to ~1e-30
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) > alpha else (lo, mid)
-    return hi
+    return float(betaincinv(k + 1, n - k, confidence))
 
 
 def nfr_upper_bound(flips: int, n: int, confidence: float = 0.95, bound: str = "wilson") -> float:

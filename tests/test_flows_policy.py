@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -152,3 +153,95 @@ def test_a_shared_policy_checks_the_domains_the_cycle_watches_and_fails_closed_o
                                            policy(), ["notes"])}
     assert not notes["kl_vs_base[notes]"].passed and math.isnan(notes["kl_vs_base[notes]"].threshold)
     assert "csqa_choice_churn_vs_champion" not in notes  # csqa is not watched
+
+
+def _reference_cp(k: int, n: int, confidence: str = "0.95") -> float:
+    """Clopper-Pearson upper bound by bisection on mpmath's regularised incomplete beta (30 digits)."""
+    import mpmath
+
+    if k >= n:
+        return 1.0
+    with mpmath.workdps(30):
+        c, lo, hi = mpmath.mpf(confidence), mpmath.mpf(0), mpmath.mpf(1)
+        for _ in range(70):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if mpmath.betainc(k + 1, n - k, 0, mid, regularized=True) < c else (lo, mid)
+        return float(hi)
+
+
+def _reference_wilson(k: int, n: int) -> float:
+    import mpmath
+
+    with mpmath.workdps(30):
+        z = mpmath.sqrt(2) * mpmath.erfinv(2 * mpmath.mpf("0.95") - 1)
+        p, n = mpmath.mpf(k) / n, mpmath.mpf(n)
+        return float(min(1, (p + z * z / (2 * n) + z * mpmath.sqrt(p * (1 - p) / n + z * z / (4 * n * n))) / (1 + z * z / n)))
+
+
+def test_bounds_agree_with_a_high_precision_reference_up_to_n_100000():
+    from scipy.stats import binom
+
+    small = [(k, n) for n in range(1, 41) for k in range(n + 1)]  # every k of every n <= 40
+    medium = [(k, n) for n in (1221, 5000) for k in (0, 1, 7, n // 10, 400, n - 2, n - 1, n)] + [(610, 1221)]
+    for k, n in small + medium:
+        assert clopper_pearson_upper(k, n) == pytest.approx(_reference_cp(k, n), rel=1e-9, abs=1e-15), (k, n)
+        assert wilson_upper(k, n) == pytest.approx(_reference_wilson(k, n), rel=1e-9, abs=1e-15), (k, n)
+    n = 100_000  # mpmath's series stops converging here: closed forms at the ends, the CDF in between
+    assert clopper_pearson_upper(0, n) == pytest.approx(1 - 0.05 ** (1 / n), rel=1e-9)
+    assert clopper_pearson_upper(n - 1, n) == pytest.approx(0.95 ** (1 / n), rel=1e-12)
+    ks = [*range(0, n + 1, 997), n - 1, n]
+    uppers = [clopper_pearson_upper(k, n) for k in ks]
+    assert all(a < b for a, b in zip(uppers, uppers[1:-1]))  # strictly increasing in k, then 1.0 at k = n
+    for k, u in zip(ks[:-1], uppers[:-1]):
+        assert binom.cdf(k, n, u) == pytest.approx(0.05, rel=1e-6), k  # P(X <= k | u) = alpha
+        assert wilson_upper(k, n) == pytest.approx(_reference_wilson(k, n), rel=1e-9, abs=1e-15), k
+
+
+@pytest.mark.parametrize("k, n, confidence", [(400, 1221, 0.95), (0, 0, 0.95), (3, 2, 0.95), (-1, 10, 0.95),
+                                              (1.5, 10, 0.95), (math.nan, 10, 0.95), (1, math.inf, 0.95),
+                                              (1, 10, 1.0), (1, 10, math.nan), ("1", 10, 0.95), (None, 10, 0.95)])
+def test_bounds_never_raise(k, n, confidence):
+    for bound in (wilson_upper, clopper_pearson_upper):
+        value = bound(k, n, confidence)
+        assert math.isnan(value) or 0.0 <= value <= 1.0
+    assert (0.0 < clopper_pearson_upper(400, 1221) < 1.0) and math.isnan(clopper_pearson_upper(3, 2))
+
+
+BAD = [None, math.nan, math.inf, -math.inf, -1, 1e308, 2.5]  # 2.5: not a count
+
+
+@pytest.mark.parametrize("bound", ["wilson", "clopper-pearson"])
+def test_a_gate_fed_any_value_rejects_and_never_raises(bound):
+    from flows.gates import Regression
+
+    strict = policy(nfr=PASSING_POLICY["nfr"] | {"bound": bound},
+                    max_kl_vs_champion={"gsm8k": 0.05, "csqa": 0.05, "released": 0.05},
+                    no_regression={"code": {"tolerance": 0.05, "confidence": 0.95}})
+    good = candidate(released={"code": Regression(8, 3.0, 3.0, 0.0, 0.0)}, target_score=3.0, champion_score=2.0,
+                     kl_vs_champion={"gsm8k": 0.01, "csqa": 0.02, "code": 0.01})
+    assert passed(run_checks(good, strict))
+    variants = []
+    for value in BAD:
+        legacy = {"target_score": None, "champion_score": None}  # evaluations stored before scores: solved counts
+        variants += [legacy | {"target_solved": value}, legacy | {"champion_solved": value},
+                     {"target_solved": value if value is not None else -1},
+                     # a score may be any finite number (a user scorer's mean); only None/NaN/inf are impossible
+                     {"target_score": value} if value is not None and not math.isfinite(value) else {"champion_score": None},
+                     {"kl_vs_base": {"gsm8k": value, "csqa": 0.0}},
+                     {"kl_vs_champion": {"gsm8k": 0.0, "csqa": 0.0, "code": value}},
+                     {"csqa_choice_churn": value},
+                     {"flips_vs_base": {"gsm8k": Flips(20, 0, 0, 0), "csqa": Flips(value, 1, 0, 0)}},
+                     {"flips_vs_champion": {"gsm8k": Flips(20, value, 0, 0), "csqa": Flips(40, 0, 0, 0)}},
+                     {"released": {"code": Regression(8, value, 3.0, value if value != -1.0 else 0.5, 0.1)}},
+                     {"released": {"code": Regression(value, 3.0, None, 0.0, value)}}]
+    variants += [{"kl_vs_base": {}}, {"flips_vs_champion": {}}]
+    for changes in variants:
+        checks = run_checks(replace(good, **changes), strict)
+        assert not passed(checks), changes
+
+    # Huge samples are decided, not crashed on: 400 flips of the full CSQA validation set, or of 10^12.
+    huge = replace(good, flips_vs_base={"gsm8k": Flips(10**12, 400, 0, 0), "csqa": Flips(1221, 400, 0, 0)})
+    measured = {c.name: c.measured for c in run_checks(huge, strict)}
+    upper = wilson_upper if bound == "wilson" else clopper_pearson_upper
+    assert measured["nfr_upper_vs_base[csqa]"] == pytest.approx(upper(400, 1221)) and 0.33 < upper(400, 1221) < 0.37
+    assert 0 < measured["nfr_upper_vs_base[gsm8k]"] < 1e-8
