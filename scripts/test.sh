@@ -6,4 +6,5 @@ bash scripts/install.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false
 # Passive OpenMP waiting: spinning threads slow small ops 5-10x whenever another process shares the cores.
 export OMP_WAIT_POLICY=PASSIVE
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# -rs: every skipped test with its reason; under CI=true a skip fails the run (tests/ci_plugin.py).
+exec .venv/bin/python -m pytest -q -rs -p no:cacheprovider "$@"

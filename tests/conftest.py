@@ -13,6 +13,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 import pytest
 import torch
 
+pytest_plugins = ["tests.ci_plugin"]  # CI=true: a skipped test fails the run
+
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
