@@ -20,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 
 from .cycle import Applied, CycleContext
 from .gates import CandidateMetrics, Flips, Regression
+from .retries import transient_only
 
 Answers = dict  # question id -> registry.AnswerRecord
 
@@ -82,7 +83,7 @@ def _generate(ctx: CycleContext, applied: Applied, kind: str) -> dict[str, tuple
     return {a.id: (a.answer, bool(a.correct)) for a in got}
 
 
-@task(cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1, task_run_name="answers-{kind}")
+@task(cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1, retry_condition_fn=transient_only, task_run_name="answers-{kind}")
 def version_answers(ctx: CycleContext, applied: Applied, kind: str, dataset: str, ids: list[str]) -> Answers:
     """The version's answers on these questions: stored ones, plus the missing ones generated and stored."""
     from registry import AnswerRecord, get_answers, record_answers
@@ -131,7 +132,7 @@ def flips(reference: Answers, new: Answers) -> Flips:
     return Flips(c.n, c.F, c.G, c.W)
 
 
-@task(cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1)
+@task(cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1, retry_condition_fn=transient_only)
 def kl_against(ctx: CycleContext, applied: Applied, ref_applied: Applied) -> dict[str, float]:
     """Retained KL(ref || version) per member of the retained set, nats/token."""
     from .runtime import retained_kl
@@ -152,7 +153,7 @@ def released_regressions(ctx: CycleContext, champ: dict[str, Answers], mine: dic
     return {name: regression(s, champ[SKILL + name], mine[SKILL + name]) for name, s in released_scorers(ctx).items()}
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
 def record_candidate(ctx: CycleContext, m: CandidateMetrics) -> int:
     """Store the evaluation (NaN/inf kept readable in `extra`, since the ledger stores only finite
     numbers) and log its numbers to the version's MLflow run at its training step."""
@@ -242,7 +243,7 @@ def evaluate_candidate(ctx: CycleContext, version_id: int) -> CandidateMetrics:
     return replace(m, evaluation_id=record_candidate(ctx, m))
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
 def record_base(ctx: CycleContext) -> None:
     """The base model's own evaluation (KL 0 by definition), once per evaluation settings, so that
     comparisons and history show its target score next to the versions'."""

@@ -20,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 
 from .config import AtlasSpec, digest
 from .cycle import AtlasRef, CycleContext
+from .retries import transient_only
 
 
 def atlas_plan(ctx: CycleContext, variant: str) -> dict:
@@ -33,7 +34,7 @@ def atlas_plan(ctx: CycleContext, variant: str) -> dict:
             "data": {m: member_data(ctx, m) | {"examples": examples[m]} for m in members}}
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
 def find_stored_atlas(variant: str, content_hash: str) -> Optional[AtlasRef]:
     """The recorded atlas with this hash, fetched and verified, or None."""
     from registry import find_atlas
@@ -75,7 +76,7 @@ def fit_and_save(spec: AtlasSpec, x: torch.Tensor, plan: dict, content_hash: str
     return path
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
 def store_and_record(backbone_id: int, layer: int, path: Path, plan: dict, content_hash: str) -> AtlasRef:
     """Put the atlas and its manifest in the store, then record it (idempotent by content hash)."""
     from registry import ensure_dataset, record_atlas

@@ -17,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from registry import GateCheckRecord, ReleaseInfo
 
 from .cycle import CycleContext
+from .retries import transient_only
 from .gates import CandidateMetrics, passed, run_checks, select
 
 
@@ -32,7 +33,7 @@ class GateOutcome:
         return passed(self.checks.get(version_id, []))
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
 def record_decision(ctx: CycleContext, m: CandidateMetrics, checks: list[GateCheckRecord]) -> int:
     """Record the verdict, unless this exact decision (evaluation, champion, policy) is already recorded."""
     from registry import latest_gate_decision, record_gate_decision
@@ -49,7 +50,7 @@ def record_decision(ctx: CycleContext, m: CandidateMetrics, checks: list[GateChe
     return info.id
 
 
-@task(cache_policy=NO_CACHE, retries=3, retry_delay_seconds=3)
+@task(cache_policy=NO_CACHE, retries=3, retry_delay_seconds=3, retry_condition_fn=transient_only)
 def publish(version_id: int) -> str:
     """The version as an MLflow model version (created once) with its current gate verdict as tags."""
     from registry import publish_version, sync_version_tags
@@ -78,20 +79,7 @@ def gate(ctx: CycleContext, candidates: list[CandidateMetrics]) -> GateOutcome:
     return GateOutcome(checks, decisions, selected)
 
 
-def _retry_unless_refused(task, task_run, state) -> bool:
-    """A refused promotion (lost race, gate not passed) stays refused; other errors may be transient."""
-    from registry import PromotionError
-
-    try:
-        state.result()
-    except PromotionError:
-        return False
-    except Exception:
-        return True
-    return True
-
-
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=_retry_unless_refused)
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
 def move_champion(version_id: int, reason: str, flow_run_id: Optional[str]) -> ReleaseInfo:
     from registry import promote as registry_promote
 

@@ -21,6 +21,7 @@ from prefect.cache_policies import NO_CACHE
 
 from .config import digest, resolve
 from .cycle import CycleContext
+from .retries import transient_only
 from .skills import SkillSet, skill_set
 
 
@@ -54,7 +55,7 @@ def run_key(ctx: CycleContext, method: str, run_config, variant, skill: SkillSet
     return digest(key)
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
 def open_training_run(ctx: CycleContext, method: str, seed: int, run_config, variant, key: str, dataset_id: int,
                       skill_sha256: str) -> tuple[int, str]:
     """(training run id, status): the run with this key, or a new one."""
@@ -97,7 +98,7 @@ def record_checkpoint_files(evaluate: str, training_run_id: int, path: Path) -> 
     return 0  # "final": registered once the run is finished (reconcile_checkpoints)
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
 def train_run(ctx: CycleContext, training_run_id: int, run_config, variant, skill: SkillSet, run_dir: Path) -> list[str]:
     """Train (resuming if the folder has checkpoints); each new checkpoint is recorded at once."""
     from atlas_core.train import build_adapter, prepare_data, train
@@ -121,7 +122,7 @@ def train_run(ctx: CycleContext, training_run_id: int, run_config, variant, skil
     return summary.checkpoints
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
 def reconcile_checkpoints(evaluate: str, training_run_id: int, checkpoints: list[str]) -> list[int]:
     """Record any checkpoint a crash left unrecorded; return the run's candidate version ids."""
     from registry import finish_training_run, register_version, run_checkpoints

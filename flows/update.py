@@ -39,9 +39,10 @@ from .cycle import CycleContext  # noqa: E402
 from .gates import CandidateMetrics  # noqa: E402
 from .policy import ReleasePolicy  # noqa: E402
 from .release import GateOutcome  # noqa: E402
+from .retries import transient_only  # noqa: E402
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=transient_only)
 def load_backbone_task(name: str, dtype: str) -> tuple[str, str, int]:
     """Load the backbone (first use converts the shipped GGUF; transient I/O errors are retried);
     returns (revision, resolved dtype, number of decoder layers)."""
@@ -51,7 +52,7 @@ def load_backbone_task(name: str, dtype: str) -> tuple[str, str, int]:
     return bb.revision, bb.dtype, bb.num_layers
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
 def record_lineage(name: str, revision: str, line: str) -> tuple[int, ModelInfo, VersionInfo, VersionInfo]:
     """Backbone, line and its base version in the ledger (get-or-create), and the champion's holder
     (the base while nobody holds it): (backbone id, line, base, champion)."""
@@ -143,7 +144,7 @@ def line_after(model_id: int, promoted: bool):
     return history
 
 
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3)
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3, retry_condition_fn=transient_only)
 def publish_report(ctx: CycleContext, candidates: list[CandidateMetrics], outcome: GateOutcome,
                    release: Optional[ReleaseInfo]) -> str:
     """Write the report, then publish it as a Prefect artifact and as an MLflow run's artifacts."""
