@@ -125,7 +125,8 @@ def test_generation_with_adapter(tiny, tokens):
         # cached decoding gives what a full forward over the whole sequence gives
         full = tiny(input_ids=adapted[:, :-1]).logits[0, -1].argmax()
     assert int(full) == int(adapted[0, -1])
-    assert base.shape == adapted.shape
+    assert base.shape == adapted.shape and not torch.equal(base, adapted)  # the adapter changed the tokens
+    assert torch.equal(tiny.generate(ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0), base)  # detached
 
 
 @pytest.mark.parametrize("variant", ["plain", "atlas", "global-pca", "centered-distance"])

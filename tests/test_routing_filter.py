@@ -44,8 +44,15 @@ def test_offset_norm_from_routing_equals_explicit_offset(atlas):
 
 
 def test_routing_in_bf16_uses_fp32_distances(atlas):
-    h = torch.randn(20, 32) + atlas.centers[torch.arange(20) % 8]
-    assert route(h.bfloat16(), atlas.centers, atlas.tau, 4).dtype == torch.float32
+    h = (torch.randn(400, 32) + atlas.centers[torch.arange(400) % 8]).bfloat16()
+    w = route(h, atlas.centers, atlas.tau, 4)
+    assert w.dtype == torch.float32
+    torch.testing.assert_close(w, route(h.float(), atlas.centers, atlas.tau, 4), atol=0, rtol=0)
+    # Distances formed in bf16 pick other top-n sets for some tokens, so the check above tells them apart.
+    c = atlas.centers.bfloat16()
+    d2_bf16 = (h * h).sum(-1)[:, None] - 2.0 * h @ c.T + (c * c).sum(-1)
+    chosen = lambda scores: scores.topk(4, dim=-1).indices.sort(-1).values  # noqa: E731
+    assert (chosen(-d2_bf16.float()) != chosen(w)).any(-1).sum() > 0
 
 
 @pytest.mark.parametrize("alpha", [1.0, 0.5])
