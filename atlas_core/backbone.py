@@ -135,8 +135,14 @@ def load_backbone(name: str = DEFAULT_BACKBONE, dtype: torch.dtype | str = torch
         path, revision = _default_backbone_cache()
     else:
         path = name
-    model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+        if name.startswith(("/", ".", "~")) and not Path(name).expanduser().is_dir():
+            raise ValueError(f"backbone: no model folder at {name} (expected {DEFAULT_BACKBONE!r}, a local folder "
+                             "or a hub id in the local cache)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+    except OSError as e:  # not in the local hub cache (nothing is downloaded) or not a model folder
+        raise ValueError(f"backbone {name!r}: cannot be loaded ({str(e).strip().splitlines()[0]})") from e
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.eval().requires_grad_(False)

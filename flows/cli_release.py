@@ -21,13 +21,21 @@ def _platform():
     return open_platform()
 
 
-def cmd_update(args: argparse.Namespace) -> int:
+def _check_cycle_files(args: argparse.Namespace) -> None:
+    """The config, the policy and the snapshot, validated before Prefect starts (a typo is
+    reported at once, and nothing is opened or written)."""
     from .config import load_update_config
     from .policy import load_policy
+    from .skills import resolve_snapshot
 
-    # Validate both files before Prefect starts, so a typo is reported at once.
-    load_policy(args.policy, load_update_config(args.config, backbone=args.backbone, skill=args.skill,
-                                                line=args.line).domain_names)
+    config = load_update_config(args.config, backbone=args.backbone, skill=args.skill, line=args.line)
+    load_policy(args.policy, config.domain_names)
+    if args.snapshot is not None:
+        resolve_snapshot(args.snapshot)
+
+
+def cmd_update(args: argparse.Namespace) -> int:
+    _check_cycle_files(args)
     from .update import update
 
     result = update(config=args.config, policy=args.policy, backbone=args.backbone, skill=args.skill,
@@ -47,6 +55,7 @@ def cmd_update(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    _check_cycle_files(args)
     from .serve import serve_update
 
     serve_update(cron=args.cron, config=args.config, policy=args.policy, backbone=args.backbone, skill=args.skill,
