@@ -139,16 +139,9 @@ def _worker(args: dict) -> None:
 
     ledger = r.Ledger(args["ledger_url"])
     bridge = r.MlflowBridge(r.MlflowConfig(args["tracking_uri"], args["artifact_root"]))
+    stamps = {}
     if args["mode"] == "race":
-        # Hold the model lock a while so that the other process is sure to arrive meanwhile.
-        real = promotion._passing_decision
-
-        def slow_decision(session, version_id):
-            decision = real(session, version_id)
-            time.sleep(1.0)
-            return decision
-
-        promotion._passing_decision = slow_decision
+        stamps = _race_barrier(args, ledger)
         Path(args["ready"]).write_text("ready")
         while not all(Path(p).exists() for p in args["wait_for"]):
             time.sleep(0.01)
@@ -157,9 +150,72 @@ def _worker(args: dict) -> None:
         r.MlflowBridge.set_alias = lambda *a, **k: os.kill(os.getpid(), 9)
     try:
         release = r.promote(ledger, bridge, args["version_id"], reason=args["reason"])
-        print(json.dumps({"won": True, "release_id": release.id}))
+        print(json.dumps({"won": True, "release_id": release.id, "stamps": stamps}))
     except r.PromotionConflict as e:
-        print(json.dumps({"won": False, "error": str(e)}))
+        print(json.dumps({"won": False, "error": str(e), "stamps": stamps}))
+
+
+def _race_barrier(args: dict, ledger) -> dict:
+    """Instrument this process's promotion so the race is decided by the lock, deterministically.
+
+    Each process stamps `request` when it enters the promotion's transaction (its next statement
+    blocks while the other holds the line's lock) and `acquired` once `lock_line` returned. The
+    first to hold the lock (an O_EXCL file decides) waits, holding it, until the other has
+    requested it (and, on PostgreSQL, until the server shows that backend waiting on a lock),
+    then commits (stamping `committing` just before). The loser therefore asked for the lock before the winner
+    released it and got it after: it lost on the lock, and the test checks those stamps."""
+    import registry.db as db
+    import registry.promotion as promotion
+
+    stamps, me, other = {}, args["me"], args["other"]
+    real_transaction, real_lock, real_decision = db.Ledger.transaction, promotion.lock_line, promotion._passing_decision
+
+    def transaction(self):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def stamped():
+            stamps.setdefault("request", time.time())
+            Path(me).write_text("requested")
+            with real_transaction(self) as s:
+                yield s
+                if stamps.get("acquired") and "committing" not in stamps:  # the transaction holding the lock,
+                    stamps["committing"] = time.time()  # stamped just before its commit releases the lock
+
+        return stamped()
+
+    def lock_line(session, model_id):
+        row = real_lock(session, model_id)
+        stamps["acquired"] = time.time()
+        return row
+
+    def decision_then_hold(session, version_id):
+        decision = real_decision(session, version_id)
+        try:
+            os.close(os.open(args["holder"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return decision  # the other process held the lock first
+        stamps["held_first"] = True
+        deadline = time.time() + 60
+        while not Path(other).exists() or (ledger.url.startswith("postgresql") and not _pg_lock_waiters(ledger.url)):
+            if time.time() > deadline:
+                raise TimeoutError("the other promotion never asked for the lock")
+            time.sleep(0.01)
+        return decision
+
+    db.Ledger.transaction, promotion.lock_line, promotion._passing_decision = transaction, lock_line, decision_then_hold
+    return stamps
+
+
+def _pg_lock_waiters(url: str) -> int:
+    """Backends of this database now waiting on a lock (PostgreSQL's own view of the race)."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    with psycopg.connect(host=u.host, port=u.port, dbname=u.database, user=u.username, autocommit=True) as conn:
+        return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                            "AND wait_event_type = 'Lock'").fetchone()[0]
 
 
 def run_worker(args: dict, background: bool = False):

@@ -158,10 +158,12 @@ def test_crash_between_ledger_commit_and_mlflow_is_repaired(ledger, ledger_url, 
 def test_two_processes_racing_to_promote_only_one_wins(ledger, ledger_url, store, bridge, mlflow_config, tmp_path):
     model_id, (v0, v1, v2) = released_model(ledger, store, bridge)
     ready = [str(tmp_path / "ready-1"), str(tmp_path / "ready-2")]
+    requested = [str(tmp_path / "requested-1"), str(tmp_path / "requested-2")]
     common = {"mode": "race", "ledger_url": ledger_url, "tracking_uri": mlflow_config.tracking_uri,
-              "artifact_root": mlflow_config.artifact_root, "wait_for": ready}
-    procs = [run_worker({**common, "version_id": v.id, "reason": f"race {v.name}", "ready": ready[i]},
-                        background=True) for i, v in enumerate((v1, v2))]
+              "artifact_root": mlflow_config.artifact_root, "wait_for": ready, "holder": str(tmp_path / "holder")}
+    procs = [run_worker({**common, "version_id": v.id, "reason": f"race {v.name}", "ready": ready[i],
+                         "me": requested[i], "other": requested[1 - i]}, background=True)
+             for i, v in enumerate((v1, v2))]
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=120)
@@ -171,6 +173,12 @@ def test_two_processes_racing_to_promote_only_one_wins(ledger, ledger_url, store
     winner = (v1, v2)[[res["won"] for res in results].index(True)]
     loser_message = next(res["error"] for res in results if not res["won"])
     assert winner.name in loser_message and "re-evaluate" in loser_message
+    # It was decided by the lock: the winner held it first and waited for the loser to ask for it
+    # (on PostgreSQL, until the server showed the loser's backend waiting on the lock); the loser
+    # asked before the winner released it and got it only after.
+    won, lost = (next(res["stamps"] for res in results if res["won"] is w) for w in (True, False))
+    assert won.get("held_first") and not lost.get("held_first")
+    assert lost["request"] < won["committing"] < lost["acquired"], (won, lost)
 
     assert r.alias_holder(ledger, model_id).id == winner.id
     assert bridge.aliases(winner.model_name)["champion"] == winner.mlflow_version
