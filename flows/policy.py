@@ -144,7 +144,7 @@ def load_policy(path: str | Path, domains: list[str] | None = None) -> ReleasePo
         if domains is not None:
             policy.require_domains(domains)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from e
+        raise (e if str(path) in str(e) else ConfigError(f"{path}: {e}")) from e
     return policy
 
 
