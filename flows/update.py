@@ -44,7 +44,7 @@ from .retries import transient_only  # noqa: E402
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=transient_only)
 def load_backbone_task(name: str, dtype: str) -> tuple[str, str, int]:
-    """Load the backbone (first use converts the shipped GGUF; transient I/O errors are retried);
+    """Load the backbone (first use converts the shipped GGUF; transient errors are retried);
     returns (revision, resolved dtype, number of decoder layers)."""
     from .runtime import load_backbone
 
