@@ -1,6 +1,7 @@
 """Prefect flows that compose atlas_core, evaluation and registry into the update cycle.
 
-    update            the whole cycle (flows/update.py)
+    update            the whole cycle (flows/update.py), typed stages (flows/cycle.py)
+      resolve_lineage backbone, line, champion chain, skills -> CycleContext (flows/update.py)
       refresh_atlas   reuse or fit the retained atlas (flows/refresh.py)
       train_skill     train the policy's candidates, checkpoints recorded as they appear (flows/training.py)
       evaluate_candidate  target score, retained KL, answers, churn (flows/evaluate.py)
@@ -8,7 +9,8 @@
     rollback          move champion back (flows/release.py)
 
 Configs: flows/config.py (UpdateConfig, configs/update/), flows/policy.py (ReleasePolicy,
-configs/policy/). Where state lives: flows/platform.py. Importing this package points
+configs/policy/). Where state lives: flows/platform.py; the process resources the stages
+look up by value (backbone, deltas, atlases, KL caches): flows/runtime.py. Importing this package points
 Prefect's home at the project state folder (unless PREFECT_HOME is set).
 """
 from .platform import configure_environment
