@@ -55,11 +55,14 @@ def cmd_update(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    _check_cycle_files(args)
-    from .serve import serve_update
+    from .serve import serve_update, serving_plan
 
-    serve_update(cron=args.cron, config=args.config, policy=args.policy, backbone=args.backbone, skill=args.skill,
-                 line=args.line, snapshot=args.snapshot)
+    plan = serving_plan(args.deployment, args.cron, config=args.config, policy=args.policy, backbone=args.backbone,
+                        skill=args.skill, line=args.line, snapshot=args.snapshot)
+    for d in plan:  # every served cycle's files, validated before anything is served
+        _check_cycle_files(argparse.Namespace(**{"backbone": None, "skill": None, "line": None, "snapshot": None,
+                                                 **d["parameters"]}))
+    serve_update(plan)
     return 0
 
 
@@ -209,9 +212,12 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("update", parents=[cycle], help="run one update cycle now: atlas, training, evaluation, gate, "
                        "promotion, report")
     p.set_defaults(func=cmd_update)
-    p = sub.add_parser("serve", parents=[cycle], help="serve the scheduled `update` deployment from this process")
-    p.add_argument("--cron", default=None, help="cron schedule (default: the one in deploy/prefect.yaml)")
-    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("serve", parents=[cycle], help="serve the scheduled `update` deployments (one per line or skill) "
+                       "of deploy/prefect.yaml from this process")
+    p.add_argument("--deployment", action="append", default=None, metavar="NAME",
+                   help="a deployment of deploy/prefect.yaml to serve (repeatable; default: every scheduled one)")
+    p.add_argument("--cron", default=None, help="cron schedule of the one served deployment (default: its own)")
+    p.set_defaults(func=cmd_serve, config=None, policy=None)  # unset: each deployment's own parameters
     p = sub.add_parser("status", parents=[common, model], help="champion, last gate decisions and runs, next scheduled run")
     p.add_argument("--limit", type=int, default=5, help="rows per list")
     p.add_argument("--no-prefect", action="store_true", help="skip the Prefect query (starts a local server if none is set)")

@@ -1,8 +1,9 @@
 """Serving the `update` deployment from one process, and what Prefect knows about it.
 
-`serve_update` reads the `update` deployment of deploy/prefect.yaml (schedule, parameters)
-and serves it with `flow.serve`: the process registers the deployment and runs each
-scheduled (or manually triggered) cycle itself; no work pool or worker is needed. Without
+`serving_plan` reads deployments of deploy/prefect.yaml (schedule, parameters; by default
+every scheduled one, e.g. one per line or skill) and `serve_update` serves them all from one
+process with `prefect.serve`: it registers the deployments and runs each scheduled (or
+manually triggered) cycle itself; no work pool or worker is needed. Without
 PREFECT_API_URL, Prefect runs in local mode with its database under the state folder.
 """
 from __future__ import annotations
@@ -27,20 +28,42 @@ def deployment_spec(name: str = DEPLOYMENT, path: Path = PREFECT_FILE) -> dict:
     raise ValueError(f"{path}: no deployment named {name!r}")
 
 
-def serve_update(cron: str | None = None, **overrides) -> None:
-    """Serve `update` with the yaml's schedule (or `cron`) and parameters (overridden where given).
+def serving_plan(names: list[str] | None = None, cron: str | None = None, path: Path = PREFECT_FILE,
+                 **overrides) -> list[dict]:
+    """What `atlas serve` serves: the named deployments of deploy/prefect.yaml (default: every one
+    with a schedule, e.g. one per line or skill), each with its schedule and parameters.
 
-    A parameter the yaml does not set is left to the flow's config file: `--config my.yaml`
-    takes its backbone, skill and line from my.yaml unless --backbone / --skill / --line are given."""
+    `cron` and parameter overrides (config, policy, backbone, skill, line, snapshot) apply to a
+    single deployment only; a parameter neither the yaml nor an override sets is left to the
+    flow's config file (`--config my.yaml` takes its backbone, skill and line from my.yaml)."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if names is None:
+        names = [d["name"] for d in yaml.safe_load(path.read_text()).get("deployments", []) if d.get("schedules")]
+    if (given or cron) and len(names) != 1:
+        raise ValueError(f"serve: --cron and parameter overrides apply to one deployment; pick it with --deployment "
+                         f"(serving {names})")
+    plan = []
+    for name in names:
+        spec = deployment_spec(name, path)
+        schedules = spec.get("schedules") or [{}]
+        if not (cron or schedules[0].get("cron")):
+            raise ValueError(f"{path}: deployment {name!r} has no cron schedule; give one with --cron")
+        plan.append({"name": name, "cron": cron or schedules[0]["cron"], "timezone": schedules[0].get("timezone", "UTC"),
+                     "parameters": {**spec.get("parameters", {}), **given}, "description": spec.get("description"),
+                     "tags": spec.get("tags")})
+    return plan
+
+
+def serve_update(plan: list[dict]) -> None:
+    """Serve every deployment of the plan from this process (one `prefect.serve`); Ctrl-C stops."""
+    from prefect import serve
+
     from .update import update
 
-    spec = deployment_spec()
-    schedule = spec["schedules"][0]
-    parameters = {**spec.get("parameters", {}), **{k: v for k, v in overrides.items() if v is not None}}
-    print(f"serving deployment update/{DEPLOYMENT}: cron '{cron or schedule['cron']}' ({schedule.get('timezone', 'UTC')}), "
-          f"parameters {parameters}; Ctrl-C stops")
-    update.serve(name=DEPLOYMENT, cron=cron or schedule["cron"], parameters=parameters,
-                 description=spec.get("description"), tags=spec.get("tags"))
+    for d in plan:
+        print(f"serving deployment update/{d['name']}: cron '{d['cron']}' ({d['timezone']}), parameters {d['parameters']}")
+    serve(*(update.to_deployment(name=d["name"], cron=d["cron"], parameters=d["parameters"],
+                                 description=d["description"], tags=d["tags"]) for d in plan))
 
 
 def prefect_status(limit: int = 5) -> str:

@@ -93,9 +93,11 @@ def test_release_commands_on_a_tiny_line(prefect_harness, state, tmp_path, capsy
 def test_cycle_commands_reject_bad_files_before_anything_runs(state, tmp_path, capsys):
     config, policy = tiny_files(tmp_path / "cfg", IMPOSSIBLE_POLICY)
     typo = write_yaml(tmp_path / "typo.yaml", IMPOSSIBLE_POLICY | {"max_kl_vs_champoin": {"gsm8k": 0.1}})
-    for command in ("update", "serve"):
-        bad(capsys, command, "--config", str(tmp_path / "missing.yaml"), "--policy", policy, says="missing.yaml")
-        bad(capsys, command, "--config", config, "--policy", typo, says="max_kl_vs_champoin")
-        bad(capsys, command, "--config", config, "--policy", policy, "--snapshot", str(tmp_path / "none.jsonl"),
+    for command, *one in (("update",), ("serve", "--deployment", "update")):
+        bad(capsys, command, *one, "--config", str(tmp_path / "missing.yaml"), "--policy", policy, says="missing.yaml")
+        bad(capsys, command, *one, "--config", config, "--policy", typo, says="max_kl_vs_champoin")
+        bad(capsys, command, *one, "--config", config, "--policy", policy, "--snapshot", str(tmp_path / "none.jsonl"),
             says="none.jsonl")
+    bad(capsys, "serve", "--config", config, says="apply to one deployment")  # two scheduled lines: which one?
+    bad(capsys, "serve", "--deployment", "nope", says="no deployment named 'nope'")
     assert not (state / "ledger.db").exists()  # nothing was opened or written

@@ -131,7 +131,7 @@ def test_every_deployment_pairs_a_policy_with_answer_sets_it_can_pass():
     from flows.policy import load_policy
     from flows.serve import deployment_spec
 
-    for name in ("update", "update-gpu"):
+    for name in ("update", "update-gsm8k-format", "update-gpu"):
         params = deployment_spec(name)["parameters"]
         assert not {"backbone", "skill", "line"} & set(params)  # the config decides; a deployment overrides only if told
         config = load_update_config(params["config"])
@@ -140,6 +140,23 @@ def test_every_deployment_pairs_a_policy_with_answer_sets_it_can_pass():
         for limits in (policy.nfr.max_vs_champion, policy.nfr.max_vs_base):
             for domain, limit in limits.items():
                 assert policy.nfr.upper(0, sizes[domain]) <= limit, (name, domain)
+
+
+def test_one_serve_process_serves_every_scheduled_line_and_overrides_only_one():
+    from flows.serve import serving_plan
+
+    plan = serving_plan()
+    assert [d["name"] for d in plan] == ["update", "update-gsm8k-format"]  # update-gpu is triggered, not scheduled
+    assert plan[1]["parameters"]["config"] == "configs/update/gsm8k-format.yaml" and plan[1]["cron"] == "0 5 * * 0"
+    one = serving_plan(["update"], "*/10 * * * *", config="my.yaml", line=None)
+    assert one[0]["cron"] == "*/10 * * * *" and one[0]["parameters"] == {"config": "my.yaml",
+                                                                        "policy": "configs/policy/default.yaml"}
+    with pytest.raises(ValueError, match="apply to one deployment"):
+        serving_plan(None, None, config="my.yaml")
+    with pytest.raises(ValueError, match="no deployment named 'nope'"):
+        serving_plan(["nope"])
+    with pytest.raises(ValueError, match="no cron schedule"):
+        serving_plan(["update-gpu"])
 
 
 def test_a_shared_policy_checks_the_domains_the_cycle_watches_and_fails_closed_on_a_missing_limit():
