@@ -3,7 +3,6 @@ line on stderr ("atlas COMMAND: error: ...") and exit status 2, with nothing wri
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
