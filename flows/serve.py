@@ -54,16 +54,25 @@ def serving_plan(names: list[str] | None = None, cron: str | None = None, path: 
     return plan
 
 
+def runner_deployments(plan: list[dict]) -> list:
+    """The plan as Prefect runner deployments of the `update` flow (schedule with its timezone)."""
+    from prefect.schedules import Cron
+
+    from .update import update
+
+    return [update.to_deployment(name=d["name"], schedule=Cron(d["cron"], timezone=d["timezone"]),
+                                 parameters=d["parameters"], description=d["description"], tags=d["tags"])
+            for d in plan]
+
+
 def serve_update(plan: list[dict]) -> None:
     """Serve every deployment of the plan from this process (one `prefect.serve`); Ctrl-C stops."""
     from prefect import serve
 
-    from .update import update
-
+    deployments = runner_deployments(plan)
     for d in plan:
         print(f"serving deployment update/{d['name']}: cron '{d['cron']}' ({d['timezone']}), parameters {d['parameters']}")
-    serve(*(update.to_deployment(name=d["name"], cron=d["cron"], parameters=d["parameters"],
-                                 description=d["description"], tags=d["tags"]) for d in plan))
+    serve(*deployments)
 
 
 def prefect_status(limit: int = 5) -> str:

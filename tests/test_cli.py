@@ -64,6 +64,8 @@ def test_release_commands_on_a_tiny_line(prefect_harness, state, tmp_path, capsy
 
     code, out, _ = atlas(capsys, "status", *LINE, "--no-prefect")
     assert code == 0 and f"champion   {champion}" in out and "PASS" in out
+    code, out, _ = atlas(capsys, "status", *LINE)  # with the Prefect query: the cycle's flow run
+    assert code == 0 and "Prefect (flow 'update'):" in out and "COMPLETED" in out.upper()
     code, out, _ = atlas(capsys, "compare", *LINE, "base", "champion", "--format", "json")
     compared = json.loads(out)
     assert code == 0 and compared["version_b"] == champion and compared["version_a"].endswith("-base")

@@ -158,6 +158,14 @@ def test_one_serve_process_serves_every_scheduled_line_and_overrides_only_one():
     with pytest.raises(ValueError, match="no cron schedule"):
         serving_plan(["update-gpu"])
 
+    from flows.serve import runner_deployments
+
+    served = runner_deployments(plan)
+    assert [d.name for d in served] == ["update", "update-gsm8k-format"]
+    assert [(d.schedules[0].schedule.cron, d.schedules[0].schedule.timezone) for d in served] == [
+        ("0 3 * * *", "UTC"), ("0 5 * * 0", "UTC")]
+    assert served[1].parameters == plan[1]["parameters"]
+
 
 def test_a_shared_policy_checks_the_domains_the_cycle_watches_and_fails_closed_on_a_missing_limit():
     only_csqa = candidate(kl_vs_base={"csqa": 0.03}, kl_vs_champion={"csqa": 0.02},
