@@ -114,11 +114,14 @@ def stored_atlas(atlas_id: int, sha256: str):
 def delta(version):
     """The one delta a version (registry.VersionInfo) adds to its parent, fetched and verified."""
     from atlas_core.chain import load_delta
-    from registry import run_checkpoints
+    from registry import LedgerError, run_checkpoints
 
     def build():
-        metrics = {cid: m for cid, _, _, m in run_checkpoints(ledger(), version.training_run_id)}[version.checkpoint_id]
-        path = fetch_verified(version.adapter_sha256, metrics["manifest_sha256"], "adapter")
+        recorded = {cid: m for cid, _, _, m in run_checkpoints(ledger(), version.training_run_id)}
+        if version.checkpoint_id not in recorded or "manifest_sha256" not in recorded[version.checkpoint_id]:
+            raise LedgerError(f"version {version.name} (id {version.id}): checkpoint {version.checkpoint_id} and its "
+                              f"manifest are not recorded in training run {version.training_run_id}")
+        path = fetch_verified(version.adapter_sha256, recorded[version.checkpoint_id]["manifest_sha256"], "adapter")
         return load_delta(path, lambda sha: stored_atlas(version.atlas_id, sha) if version.atlas_id else None)
 
     return _cached(("delta", version.adapter_sha256), build)
