@@ -18,6 +18,7 @@ import yaml
 from atlas_core.typed_config import ConfigError
 from flows.config import load_update_config
 from flows.policy import load_policy
+from tests.conftest_registry import ledger, ledger_url, store  # noqa: F401
 from tests.flows_fixtures import PASSING_POLICY, TINY_CONFIG, write_yaml
 
 WRONG = ["many", -3, 0, 1.5, [], {"x": 1}, None, True]
@@ -156,3 +157,19 @@ def test_a_policy_file_with_a_bad_threshold_names_the_domain(tmp_path):
         load_policy(write_yaml(tmp_path / "q.yaml", PASSING_POLICY | {"max_kl_vs_base": {"gsm8k": 0.1}}),
                     ["gsm8k", "csqa"])
     assert yaml.safe_load(Path(tmp_path / "p.yaml").read_text())["max_kl_vs_champion"]["gsm8k"] == "low"
+
+
+def test_a_ledger_version_whose_adapter_manifest_was_never_recorded_is_named(ledger, ledger_url, store, tmp_path,
+                                                                              monkeypatch):
+    """A corrupted ledger row reference: the version's checkpoint carries no manifest hash."""
+    from flows import runtime
+    from registry import LedgerError
+    from tests.conftest_registry import make_candidates, unique_backbone
+
+    monkeypatch.setenv("ATLAS_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("ATLAS_LEDGER_URL", ledger_url)
+    monkeypatch.setenv("ATLAS_ARTIFACT_STORE", str(store.root_url))
+    _, (version,) = make_candidates(ledger, store, unique_backbone(), seeds=(0,))
+    with runtime.session(), pytest.raises(LedgerError, match=rf"{version.name} \(id {version.id}\).*manifest"):
+        runtime.delta(version)
+    assert not (tmp_path / "state" / "cache").exists()  # nothing fetched
