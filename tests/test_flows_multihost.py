@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from atlas_core.paths import data_dir
 from tests.conftest_registry import PG_HOST, PG_PORT, _admin, postgres_user
 from tests.flows_fixtures import PASSING_POLICY, tiny_files
 
@@ -74,6 +75,7 @@ def test_worker_runs_a_deployed_update_against_postgres_servers(tmp_path):
     pg = f"{user}@{PG_HOST}:{PG_PORT}"
     prefect_port, mlflow_port = _free_port(), _free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "ATLAS_", "MLFLOW_"))}
+    base |= {"ATLAS_DATA_DIR": str(data_dir())}  # the data the test process reads (a checkout elsewhere has no ../shared)
     base |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
              "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     client = base | {
