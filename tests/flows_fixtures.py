@@ -64,6 +64,11 @@ def prefect_harness(request):
     if not _HARNESS:
         stack = ExitStack()
         stack.enter_context(prefect_test_harness(server_startup_timeout=60))
+        from prefect.logging.configuration import setup_logging
+
+        # Bind Prefect's console handler now, to the session's stderr: configured lazily inside
+        # a test that uses capsys, it would write to capsys's stream after that stream is closed.
+        setup_logging()
         _HARNESS.append(stack)
         request.config.add_cleanup(stack.close)
     yield
