@@ -48,6 +48,7 @@ def cmd_update(args: argparse.Namespace) -> int:
           f" (champion before: {result['previous_champion']}, now: {result['champion']})")
     print(f"candidates: {verdicts or 'none new'}")
     print(f"report:     {result['report']}")
+    print("time:       " + ", ".join(f"{phase} {sec:.0f} s" for phase, sec in result["seconds"].items()))
     print(f"MLflow UI:  .venv/bin/mlflow ui --backend-store-uri sqlite:///{result['state']}/mlflow/mlflow.db"
           if "ATLAS_MLFLOW_TRACKING_URI" not in __import__("os").environ else "MLflow UI:  your tracking server")
     print(f"details:    atlas status / atlas history / atlas gate --explain VERSION  (--model {result['model']})")

@@ -71,9 +71,17 @@ def plots(folder: Path, candidates: list[CandidateMetrics]) -> list[str]:
     return made
 
 
+def timing_table(phases: dict[str, float]) -> list[str]:
+    """Wall seconds per phase of the cycle, in the order they ran, with their share of the total."""
+    total = sum(phases.values())
+    rows = [f"| {name} | {sec:.1f} | {sec / total:.0%} |" for name, sec in phases.items()] if total > 0 else []
+    return ["| phase | wall s | share |", "|---|---|---|", *rows, f"| **total** | **{total:.1f}** | |"]
+
+
 def write_report(folder: Path, header: dict, outcome_text: str, candidates: list[CandidateMetrics], outcome,
-                 comparison_md: str | None, where: list[str], history=None) -> Path:
-    """`history`: the line's flows.history.LineHistory after the cycle (None: no release yet)."""
+                 comparison_md: str | None, where: list[str], history=None, phases: dict[str, float] | None = None) -> Path:
+    """`history`: the line's flows.history.LineHistory after the cycle (None: no release yet);
+    `phases`: wall seconds per phase until the report (flows.update.run_cycle)."""
     from registry import atomic_write_text
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -94,6 +102,8 @@ def write_report(folder: Path, header: dict, outcome_text: str, candidates: list
                   "TRACE's overall performance OP_t and backward transfer BWT_t:", "", history.to_markdown()]
     if comparison_md:
         lines += ["", "## Comparison with the champion", "", comparison_md]
+    if phases:
+        lines += ["", "## Where the time went", ""] + timing_table(phases)
     if images:
         lines += ["", "## Plots", ""] + [f"![{name[:-4]}]({name})" for name in images]
     lines += ["", "## Where to look", ""] + [f"- {w}" for w in where]

@@ -21,6 +21,7 @@ training, reuses stored answers and evaluations, and records nothing twice.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Optional
 
@@ -146,7 +147,7 @@ def line_after(model_id: int, promoted: bool):
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3, retry_condition_fn=transient_only)
 def publish_report(ctx: CycleContext, candidates: list[CandidateMetrics], outcome: GateOutcome,
-                   release: Optional[ReleaseInfo]) -> str:
+                   release: Optional[ReleaseInfo], phases: dict[str, float]) -> str:
     """Write the report, then publish it as a Prefect artifact and as an MLflow run's artifacts."""
     from registry import compare_versions
 
@@ -167,12 +168,13 @@ def publish_report(ctx: CycleContext, candidates: list[CandidateMetrics], outcom
              f"Explain a verdict: `atlas gate --explain VERSION --model {model.name}`"]
     text = outcome_text(ctx, outcome, release, candidates)
     history = line_after(model.id, release is not None)
-    path = write_report(folder, header, text, candidates, outcome, comparison, where, history)
+    path = write_report(folder, header, text, candidates, outcome, comparison, where, history, phases)
     create_markdown_artifact(key="update-report", markdown=path.read_text(), description=f"{model.name}: {text[:200]}")
     run_id = p.bridge.start_run(model.backbone, model.line, f"update-cycle-{folder.name}",
                                 {"policy": ctx.policy.label, "config": ctx.config.name,
                                  "flow_run_id": ctx.flow_run_id or "-"}, tags={"kind": "update-cycle"})
     p.bridge.log_folder(run_id, folder, "report")
+    p.bridge.log_metrics(run_id, {f"seconds/{phase_key(k)}": v for k, v in phases.items()}, 0)
     p.bridge.end_run(run_id)
     return str(path)
 
@@ -206,11 +208,33 @@ def update(config: str = DEFAULT_CONFIG, policy: str = DEFAULT_POLICY, backbone:
     if snapshot is not None:
         cfg = replace(cfg, data=replace(cfg.data, source=snapshot))
     with session():
-        return run_cycle(resolve_lineage(cfg, load_policy(policy, cfg.domain_names), flow_run.id))
+        clock = _Clock()
+        ctx = resolve_lineage(cfg, load_policy(policy, cfg.domain_names), flow_run.id)
+        clock.lap("lineage (backbone, ledger, champion chain)")
+        return run_cycle(ctx, clock)
 
 
-def run_cycle(ctx: CycleContext) -> dict:
-    """The stages after resolve_lineage, each taking and returning plain values."""
+def phase_key(name: str) -> str:
+    """A phase name as an MLflow metric key ('evaluate smollm2-...-e2' -> 'evaluate_smollm2-...-e2')."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+class _Clock:
+    """Wall seconds per phase of one cycle, in the order the phases ran."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
+        self._last = now
+
+
+def run_cycle(ctx: CycleContext, clock: Optional[_Clock] = None) -> dict:
+    """The stages after resolve_lineage, each taking and returning plain values; `clock` has
+    already timed resolve_lineage (backbone load, ledger, champion chain)."""
     from registry import alias_holder
 
     from .evaluate import eval_key, evaluate_candidate, record_base
@@ -226,21 +250,34 @@ def run_cycle(ctx: CycleContext) -> dict:
     if taught is not None:
         return idle_result(ctx, f"skill {ctx.skill.name!r} snapshot {data.sha256[:12]} is already released "
                                 f"in the champion's chain ({taught}); nothing new to train")
-    ctx = replace(ctx, atlases=tuple(refresh_atlas(ctx, variant) for variant in needed_atlas_variants(ctx)))
+    clock = clock or _Clock()
+    atlases = []
+    for variant in needed_atlas_variants(ctx):
+        atlases.append(refresh_atlas(ctx, variant))
+        clock.lap(f"atlas {variant}")
+    ctx = replace(ctx, atlases=tuple(atlases))
     if already_gated(ctx, [(m, s, k) for m, s, _, _, k in planned_runs(ctx, data)], eval_key(ctx)):
         return idle_result(ctx, f"every candidate of this snapshot was already gated against "
                                 f"{ctx.champion.version.name} with policy {ctx.policy.label}")
     champion = ctx.champion.version
-    candidates = [evaluate_candidate(ctx, v) for v in train_skill(ctx) if v != champion.id]
+    versions = [v for v in train_skill(ctx) if v != champion.id]
+    clock.lap("training")
+    candidates = []
+    for v in versions:
+        candidates.append(evaluate_candidate(ctx, v))
+        clock.lap(f"evaluate {candidates[-1].name}")  # champion and base answers are generated once, in the first
     record_base(ctx)
+    clock.lap("evaluate base")
     outcome = gate(ctx, candidates)
+    clock.lap("gate")
     release = None
     if outcome.selected is not None:
         s = outcome.selected
         release = promote(s.version_id, f"gate {ctx.policy.label} passed; {ctx.skill.name} {s.target_score:g} "
                                          f"(champion {s.champion_score:g}) on top of {champion.name}; lowest retained KL",
                           ctx.flow_run_id)
-    report = publish_report(ctx, candidates, outcome, release)
+        clock.lap("promote")
+    report = publish_report(ctx, candidates, outcome, release, clock.phases)
     get_run_logger().info(f"report: {report}")
     new_champion = alias_holder(ledger(), ctx.model.id) or ctx.base.version
     result = "promoted" if release is not None else "not-promoted" if outcome.selected is not None else "rejected"
@@ -248,4 +285,4 @@ def run_cycle(ctx: CycleContext) -> dict:
             "champion": new_champion.name, "previous_champion": champion.name,
             "selected": outcome.selected.name if outcome.selected else None,
             "candidates": {c.name: outcome.verdict(c.version_id) for c in candidates}, "report": report,
-            "state": str(platform().state)}
+            "seconds": dict(clock.phases), "state": str(platform().state)}

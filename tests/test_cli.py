@@ -59,7 +59,7 @@ def test_method_commands_on_a_local_tiny_model(state, tmp_path, capsys, tiny_fol
 def test_release_commands_on_a_tiny_line(prefect_harness, state, tmp_path, capsys):
     config, policy = tiny_files(tmp_path / "cfg", ONE_CANDIDATE)
     code, out, _ = atlas(capsys, "update", "--config", config, "--policy", policy)
-    assert code == 0 and "PROMOTED tiny-llama-tiny-code-atlas-s0" in out, out
+    assert code == 0 and "PROMOTED tiny-llama-tiny-code-atlas-s0" in out and "time:       lineage" in out, out
     champion = out.split("PROMOTED ")[1].split()[0]
 
     code, out, _ = atlas(capsys, "status", *LINE, "--no-prefect")

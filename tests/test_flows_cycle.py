@@ -38,6 +38,12 @@ def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle
     first = update(config, impossible)
     assert first["outcome"] == "rejected" and not first["promoted"] and first["champion"].endswith("-base")
     assert "REJECTED" in Path(first["report"]).read_text()
+    seconds = first["seconds"]  # wall time per phase, in the order they ran: 4 candidates trained and evaluated
+    assert list(seconds)[:3] == ["lineage (backbone, ledger, champion chain)", "atlas local", "training"]
+    assert sum(k.startswith("evaluate ") and k != "evaluate base" for k in seconds) == 4 and "gate" in seconds
+    assert all(v >= 0 for v in seconds.values()) and seconds["training"] > 0
+    timing = Path(first["report"]).read_text().split("## Where the time went")[1]
+    assert "| training |" in timing and f"| **total** | **{sum(seconds.values()):.1f}** |" in timing
     p = _platform()
     try:
         model = get_model(p.ledger, first["model"])
@@ -68,6 +74,10 @@ def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle
         champion = _champion(p, second["model"])
         assert champion.name == second["selected"]
         assert p.bridge.aliases(second["model"])["champion"] == champion.mlflow_version  # MLflow agrees with the ledger
+        client = p.bridge.client
+        cycle_runs = client.search_runs([e.experiment_id for e in client.search_experiments()], "tags.kind = 'update-cycle'")
+        logged = {k for r in cycle_runs for k in r.data.metrics}  # the cycle runs carry their phase timings
+        assert {"seconds/training", "seconds/gate", "seconds/promote"} <= logged
     finally:
         p.close()
     after = ledger_counts(state)
