@@ -21,21 +21,21 @@ def _platform():
     return open_platform()
 
 
-def _check_cycle_files(args: argparse.Namespace) -> None:
-    """The config, the policy and the snapshot, validated before Prefect starts (a typo is
-    reported at once, and nothing is opened or written)."""
+def _check_cycle_files(config: str, policy: str, backbone: str | None = None, skill: str | None = None,
+                       line: str | None = None, snapshot: str | None = None) -> None:
+    """A cycle's config, policy and snapshot (the `update` flow's parameters), validated before
+    Prefect starts: a typo is reported at once, and nothing is opened or written."""
     from .config import load_update_config
     from .policy import load_policy
     from .skills import resolve_snapshot
 
-    config = load_update_config(args.config, backbone=args.backbone, skill=args.skill, line=args.line)
-    load_policy(args.policy, config.domain_names)
-    if args.snapshot is not None:
-        resolve_snapshot(args.snapshot)
+    load_policy(policy, load_update_config(config, backbone=backbone, skill=skill, line=line).domain_names)
+    if snapshot is not None:
+        resolve_snapshot(snapshot)
 
 
 def cmd_update(args: argparse.Namespace) -> int:
-    _check_cycle_files(args)
+    _check_cycle_files(args.config, args.policy, args.backbone, args.skill, args.line, args.snapshot)
     from .update import update
 
     result = update(config=args.config, policy=args.policy, backbone=args.backbone, skill=args.skill,
@@ -61,8 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     plan = serving_plan(args.deployment, args.cron, config=args.config, policy=args.policy, backbone=args.backbone,
                         skill=args.skill, line=args.line, snapshot=args.snapshot)
     for d in plan:  # every served cycle's files, validated before anything is served
-        _check_cycle_files(argparse.Namespace(**{"backbone": None, "skill": None, "line": None, "snapshot": None,
-                                                 **d["parameters"]}))
+        _check_cycle_files(**d["parameters"])
     serve_update(plan)
     return 0
 

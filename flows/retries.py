@@ -10,23 +10,11 @@ from __future__ import annotations
 
 def is_transient(error: BaseException) -> bool:
     """A network, timeout or database-connection error (requests' and SQLAlchemy's included)."""
-    if isinstance(error, (ConnectionError, TimeoutError)):
-        return True
-    try:
-        from sqlalchemy.exc import DisconnectionError, OperationalError
+    from requests.exceptions import ConnectionError as RequestsConnectionError, Timeout
+    from sqlalchemy.exc import DisconnectionError, OperationalError
 
-        if isinstance(error, (DisconnectionError, OperationalError)):
-            return True
-    except ImportError:
-        pass
-    try:
-        from requests.exceptions import ConnectionError as RequestsConnectionError, Timeout
-
-        if isinstance(error, (RequestsConnectionError, Timeout)):
-            return True
-    except ImportError:
-        pass
-    return error.__cause__ is not None and is_transient(error.__cause__)
+    transient = (ConnectionError, TimeoutError, DisconnectionError, OperationalError, RequestsConnectionError, Timeout)
+    return isinstance(error, transient) or (error.__cause__ is not None and is_transient(error.__cause__))
 
 
 def transient_only(task, task_run, state) -> bool:

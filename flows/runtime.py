@@ -95,10 +95,11 @@ def scorer(spec):
 
 
 def atlas_file(path: str):
+    """An atlas file, loaded (and verified) once; also found later by its sha256 (stored_atlas)."""
     from atlas_core.atlas import Atlas
 
-    atlas = Atlas.load(path)
-    return _cached(("atlas", atlas.sha256), lambda: atlas)
+    atlas = _cached(("atlas-file", str(path)), lambda: Atlas.load(path))
+    return _memo.setdefault(("atlas", atlas.sha256), atlas)
 
 
 def stored_atlas(atlas_id: int, sha256: str):

@@ -19,10 +19,14 @@ PREFECT_FILE = PROJECT_ROOT / "deploy" / "prefect.yaml"
 DEPLOYMENT = "update"
 
 
-def deployment_spec(name: str = DEPLOYMENT, path: Path = PREFECT_FILE) -> dict:
-    """One deployment's entry of deploy/prefect.yaml."""
-    data = yaml.safe_load(path.read_text())
-    for spec in data.get("deployments", []):
+def deployment_specs(path: Path = PREFECT_FILE) -> list[dict]:
+    """Every deployment entry of deploy/prefect.yaml, in file order."""
+    return yaml.safe_load(path.read_text()).get("deployments", [])
+
+
+def deployment_spec(name: str = DEPLOYMENT, path: Path = PREFECT_FILE, specs: list[dict] | None = None) -> dict:
+    """One deployment's entry of deploy/prefect.yaml (of `specs` when already read)."""
+    for spec in specs if specs is not None else deployment_specs(path):
         if spec.get("name") == name:
             return spec
     raise ValueError(f"{path}: no deployment named {name!r}")
@@ -36,15 +40,15 @@ def serving_plan(names: list[str] | None = None, cron: str | None = None, path: 
     `cron` and parameter overrides (config, policy, backbone, skill, line, snapshot) apply to a
     single deployment only; a parameter neither the yaml nor an override sets is left to the
     flow's config file (`--config my.yaml` takes its backbone, skill and line from my.yaml)."""
-    given = {k: v for k, v in overrides.items() if v is not None}
+    given, specs = {k: v for k, v in overrides.items() if v is not None}, deployment_specs(path)
     if names is None:
-        names = [d["name"] for d in yaml.safe_load(path.read_text()).get("deployments", []) if d.get("schedules")]
+        names = [d["name"] for d in specs if d.get("schedules")]
     if (given or cron) and len(names) != 1:
         raise ValueError(f"serve: --cron and parameter overrides apply to one deployment; pick it with --deployment "
                          f"(serving {names})")
     plan = []
     for name in names:
-        spec = deployment_spec(name, path)
+        spec = deployment_spec(name, path, specs)
         schedules = spec.get("schedules") or [{}]
         if not (cron or schedules[0].get("cron")):
             raise ValueError(f"{path}: deployment {name!r} has no cron schedule; give one with --cron")
