@@ -139,12 +139,13 @@ class ReleasePolicy:
 
 def load_policy(path: str | Path, domains: list[str] | None = None) -> ReleasePolicy:
     """Parse and validate a policy file; with `domains`, require thresholds for each of them."""
+    data = load_yaml(resolve(path))  # its errors name the file already (as in load_update_config)
     try:
-        policy = build(ReleasePolicy, load_yaml(resolve(path)))
+        policy = build(ReleasePolicy, data)
         if domains is not None:
             policy.require_domains(domains)
     except ConfigError as e:
-        raise (e if str(path) in str(e) else ConfigError(f"{path}: {e}")) from e
+        raise ConfigError(f"{path}: {e}") from e
     return policy
 
 
