@@ -46,6 +46,12 @@ class ResidualAdapter:
     def describe(self) -> dict:
         return {"kind": self.kind, "config": self.residual.config.to_dict(), "atlas_sha256": self.residual.atlas_sha256}
 
+    def budget(self) -> dict:
+        d = self.residual.A.shape[-1]
+        r = self.residual.config.rank
+        return {"method": self.residual.config.variant, "rank": r, "budget_rank": r,
+                "trainable": sum(p.numel() for _, p in self.named_trainable()), "budget": 2 * d * r}
+
     def hidden(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, cached: torch.Tensor | None = None,
                enabled: bool = True) -> torch.Tensor:
         if cached is not None:
@@ -78,12 +84,14 @@ def as_adapter(obj):
     raise TypeError(f"adapter: expected an AtlasResidual or a WeightLoRA, got {type(obj).__name__}")
 
 
-def build_adapter(config, model: nn.Module, atlas=None):
-    """A fresh adapter for a `RunConfig`: the residual variant it names, or Weight-LoRA
-    (installed into `model` in place; `remove()` takes it out)."""
+def build_adapter(config, model: nn.Module, atlas=None, stats=None):
+    """A fresh adapter for a `RunConfig`: the residual variant it names, or a weight adapter
+    (Weight-LoRA or the baseline `config.lora.method` names, installed into `model` in place;
+    `remove()` takes it out). `stats`: the retained statistics some baselines need
+    (atlas_core.train.retained_stats), else the file `config.lora.stats` names."""
     from ..residual import build_residual
-    from .lora import WeightLoRA
+    from .baselines import build_weight_adapter
 
     if config.adapter == "weight-lora":
-        return WeightLoRA(model, config.layer, config.rank, config.lora.alpha, config.lora.target, config.train.seed)
+        return build_weight_adapter(config, model, stats)
     return build_residual(config.residual_config(), model, atlas)

@@ -3,9 +3,10 @@
     RunConfig                  what one training run is (a file in configs/train/)
       backbone, adapter, layer, rank, atlas
       residual: ResidualOptions    options of the residual variants (scale, alpha, top_n)
-      lora: LoRAOptions            options of the Weight-LoRA baseline (alpha, target)
+      lora: LoRAOptions            options of the weight adapters (alpha, target, method: Weight-LoRA or a
+                                   published baseline, each with its options block; docs/BASELINES.md)
       train: TrainConfig           optimisation, data handling, checkpoints
-        objective: ObjectiveConfig   ce | replay | output-kl and their weights
+        objective: ObjectiveConfig   ce | replay | output-kl | stm | talr and their weights
 
 `load_run_config("configs/train/atlas.yaml")` parses and validates a file; a typo or a
 wrong type is an error such as `train.lr: expected a number, got 'fast'`.
@@ -22,7 +23,9 @@ from ..residual import RESIDUAL_VARIANTS, ResidualConfig
 from ..typed_config import ConfigError, build, load_yaml
 
 ADAPTERS = tuple(RESIDUAL_VARIANTS) + ("weight-lora",)
-OBJECTIVES = ("ce", "replay", "output-kl")
+OBJECTIVES = ("ce", "replay", "output-kl", "stm", "talr")
+WEIGHT_METHODS = ("weight-lora", "lora-null", "oplora", "o-lora", "corda-kpm", "clora", "toplora")
+NEEDS_STATS = ("lora-null", "corda-kpm")  # and o-lora with past: pca
 SCHEDULES = ("constant", "cosine", "linear")
 BAD_EXAMPLE_POLICIES = ("raise", "skip", "truncate")
 
@@ -38,12 +41,15 @@ def _factory(text: str, factory):
 @dataclass
 class ObjectiveConfig:
     kind: str = _help(f"One of {OBJECTIVES}: target cross-entropy only; + LM loss on retained examples (Replay); "
-                      "+ beta * KL(f0 || f) on retained contexts (Output-KL).", "ce")
+                      "+ beta * KL(f0 || f) on retained contexts (Output-KL); CE without the response tokens whose "
+                      "f0 perplexity exceeds stm_tau (STM); CE reweighted token-wise by the current model's NLL (TALR).",
+                      "ce")
     ratio: float = _help("Retained examples drawn per target example in each micro-batch (Replay and Output-KL).", 0.5)
     replay_weight: float = _help("Weight of the retained LM loss (Replay).", 1.0)
     beta: float = _help("Weight of KL(f0 || f) on retained contexts (Output-KL; the spec runs 0.3 and 1.0).", 0.3)
     teacher_cache_mib: float = _help("Cache f0's log-probabilities on the retained set once if they fit in this many MiB; "
                                      "otherwise recompute them each step without gradients.", 512.0)
+    stm_tau: float = _help("STM: drop every response token whose f0 perplexity exceeds this (NLL > ln stm_tau).", 2.5)
 
     def __post_init__(self) -> None:
         _choice("kind", self.kind, OBJECTIVES)
@@ -52,10 +58,18 @@ class ObjectiveConfig:
                 raise ConfigError(f"{name}: expected a positive number, got {getattr(self, name)!r}")
         if self.teacher_cache_mib < 0:
             raise ConfigError(f"teacher_cache_mib: expected >= 0, got {self.teacher_cache_mib!r}")
+        if not self.stm_tau > 1:
+            raise ConfigError(f"stm_tau: expected a perplexity > 1, got {self.stm_tau!r}")
 
     @property
     def uses_retained(self) -> bool:
-        return self.kind != "ce"
+        return self.kind in ("replay", "output-kl")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if self.kind != "stm":  # a field added for STM leaves the other objectives' run hashes as they were
+            d.pop("stm_tau")
+        return d
 
 
 @dataclass
@@ -104,7 +118,7 @@ class TrainConfig:
         _choice("on_bad_example", self.on_bad_example, BAD_EXAMPLE_POLICIES)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return asdict(self) | {"objective": self.objective.to_dict()}
 
     def fingerprint(self) -> dict:
         """The fields that change what a run computes (cadence and display excluded): resume checks it."""
@@ -122,21 +136,91 @@ class ResidualOptions:
 
 
 @dataclass
+class LoRANullOptions:
+    mode: str = _help("v1: train A and B; v2: freeze A (its null-space init) and train B only, at rank 2r "
+                      "to match the budget.", "v1")
+
+    def __post_init__(self) -> None:
+        _choice("mode", self.mode, ("v1", "v2"))
+
+
+@dataclass
+class OPLoRAOptions:
+    k: int = _help("Top-k singular triples of W kept exactly (the paper runs 16 and 128).", 16)
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ConfigError(f"k: expected a positive integer, got {self.k!r}")
+
+
+@dataclass
+class OLoRAOptions:
+    lambda1: float = _help("Weight of sum |A_past A^T| (the paper: 0.5).", 0.5)
+    past: str = _help("The frozen past subspace: 'pca' = top-r eigenvectors of the retained input covariance "
+                      "(choice, one update); 'files' = the lora_A of earlier adapters (past_files).", "pca")
+    past_files: list[str] = _factory("Weight-adapter files whose lora_A rows form A_past (past: files).", list)
+
+    def __post_init__(self) -> None:
+        _choice("past", self.past, ("pca", "files"))
+        if self.lambda1 < 0:
+            raise ConfigError(f"lambda1: expected >= 0, got {self.lambda1!r}")
+        if self.past == "files" and not self.past_files:
+            raise ConfigError("past_files: past 'files' needs at least one adapter file")
+
+
+@dataclass
+class CLoRAOptions:
+    lam: float = _help("Weight lambda of R = 1/2 ||A P_A||^2 + 1/2 ||B^T P_B||^2 (the paper: 1).", 1.0)
+    k: int | None = _help("Columns of the random orthonormal P_A, P_B (null: min(512, d // 2), d = min(d_in, d_out)).",
+                          None)
+
+    def __post_init__(self) -> None:
+        if self.lam < 0 or (self.k is not None and self.k < 1):
+            raise ConfigError(f"lam: expected >= 0 and k null or >= 1, got lam {self.lam!r}, k {self.k!r}")
+
+
+@dataclass
 class LoRAOptions:
     alpha: float = _help("LoRA scaling numerator: the update is (alpha / rank) * B A x. alpha = rank gives scale 1.", 16.0)
     target: str = _help("Name of the projection inside decoder layer l to adapt (the attention output projection).",
                         "self_attn.o_proj")
+    method: str = _help(f"One of {WEIGHT_METHODS}: plain LoRA, or a published weight-adapter baseline "
+                        "(docs/BASELINES.md). rank is the budget rank r; lora-null v2 runs at 2r, toplora at round(2r/3).",
+                        "weight-lora")
+    stats: str | None = _help("Retained statistics file (atlas_core.train.retained_stats) for lora-null, corda-kpm and "
+                              "o-lora with past 'pca'; null: the caller passes them to build_adapter.", None)
+    lora_null: LoRANullOptions = _factory("LoRA-Null options.", LoRANullOptions)
+    oplora: OPLoRAOptions = _factory("OPLoRA options.", OPLoRAOptions)
+    o_lora: OLoRAOptions = _factory("O-LoRA options.", OLoRAOptions)
+    clora: CLoRAOptions = _factory("CLoRA options.", CLoRAOptions)
+
+    def __post_init__(self) -> None:
+        _choice("method", self.method, WEIGHT_METHODS)
+
+    @property
+    def needs_stats(self) -> bool:
+        return self.method in NEEDS_STATS or (self.method == "o-lora" and self.o_lora.past == "pca")
+
+    def to_dict(self) -> dict:
+        """Plain Weight-LoRA keeps the dict (and run keys) it always had; a baseline adds its method,
+        the stats file and its own options block."""
+        d = {"alpha": self.alpha, "target": self.target}
+        if self.method == "weight-lora":
+            return d
+        block = {"lora-null": "lora_null", "oplora": "oplora", "o-lora": "o_lora", "clora": "clora"}.get(self.method)
+        return d | {"method": self.method, "stats": self.stats} | ({block: asdict(getattr(self, block))} if block else {})
 
 
 @dataclass
 class RunConfig:
     backbone: str = _help("Backbone alias, hub id or folder (see atlas_core.backbone.load_backbone).", "smollm2-135m")
-    adapter: str = _help(f"What trains, one of {ADAPTERS}: a residual variant, or PEFT LoRA on layer l's o_proj.", "atlas")
+    adapter: str = _help(f"What trains, one of {ADAPTERS}: a residual variant, or a weight adapter on layer l's o_proj "
+                         "(lora.method: Weight-LoRA or a published baseline).", "atlas")
     layer: int = _help("Decoder layer l (-1: the middle layer L // 2).", -1)
     rank: int = _help("r: rank of the residual factors or of the LoRA factors (same parameter budget 2*d*r).", 16)
     atlas: str | None = _help("Path of the atlas (.safetensors) for variants that need one.", None)
     residual: ResidualOptions = _factory("Options of the residual variants.", ResidualOptions)
-    lora: LoRAOptions = _factory("Options of the Weight-LoRA baseline.", LoRAOptions)
+    lora: LoRAOptions = _factory("Options of the weight adapters (adapter: weight-lora).", LoRAOptions)
     train: TrainConfig = _factory("Optimisation, data handling and checkpoints.", TrainConfig)
 
     def __post_init__(self) -> None:
@@ -149,6 +233,8 @@ class RunConfig:
             raise ConfigError(f"atlas: adapter {self.adapter!r} needs an atlas file, got none")
         if self.adapter != "weight-lora":
             self.residual_config()  # validates the residual options now, not at build time
+            if self.lora.method != "weight-lora":
+                raise ConfigError(f"lora.method: {self.lora.method!r} is a weight adapter; set adapter: weight-lora")
 
     def residual_config(self) -> ResidualConfig:
         if self.adapter == "weight-lora":
@@ -160,7 +246,7 @@ class RunConfig:
             raise ConfigError(f"residual.{e}") from e
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return asdict(self) | {"lora": self.lora.to_dict(), "train": self.train.to_dict()}
 
 
 # ------------------------------------------------------------------------------ loading

@@ -1,4 +1,5 @@
-"""The training loop shared by every residual variant, Weight-LoRA and the objective baselines.
+"""The training loop shared by every residual variant, every weight adapter (Weight-LoRA and the
+published baselines) and the objective baselines.
 
     data = prepare_data(tokenizer, train_pairs, val_pairs, retained_texts, config)
     summary = train(model, residual_or_lora, data, config, run_dir)
@@ -9,6 +10,11 @@ layers above. The run checkpoints at every epoch end (and every `checkpoint_ever
 steps) and resumes from its newest complete checkpoint: data order is a pure function of
 (seed, epoch) and the optimizer state is restored, so a resumed run ends with the same
 weights as an uninterrupted one.
+
+A weight baseline's regulariser (`adapter.penalty()`: O-LoRA, CLoRA) is added once per
+optimizer step. STM drops its f0-masked tokens from the target batches; TALR reweights the
+target tokens every step (atlas_core.train.baselines). The summary prints every method's
+rank and trainable count next to the spec's budget.
 """
 from __future__ import annotations
 
@@ -86,6 +92,8 @@ class TrainSummary:
     issues: list[dict] = field(default_factory=list)  # examples skipped or truncated
     resumed_from: str | None = None
     teacher_cached: bool | None = None
+    budget: dict | None = None  # method, rank, budget_rank, trainable, budget (the adapter's `budget()`)
+    stm: dict | None = None  # STM's mask: key, tau, dropped, tokens, path
 
     @property
     def tokens_per_s(self) -> float:
@@ -102,6 +110,13 @@ class TrainSummary:
                  + (f", resumed from {self.resumed_from}" if self.resumed_from else ""),
                  f"  best checkpoint: {self.best_checkpoint}",
                  f"  checkpoints ({len(self.checkpoints)}): " + ", ".join(Path(c).name for c in self.checkpoints)]
+        if self.budget:
+            b = self.budget
+            lines.append(f"  adapter {b['method']}: rank {b['rank']} (budget rank {b['budget_rank']}), "
+                         f"trainable {b['trainable']:,} (budget r (d_in + d_out) = {b['budget']:,})")
+        if self.stm:
+            lines.append(f"  STM: {self.stm['dropped']:,} of {self.stm['tokens']:,} response tokens dropped "
+                         f"(f0 perplexity > {self.stm['tau']:g})")
         lines += [f"  {x['action']}: #{x['index']} ({x['id']}): {x['reason']}" for x in self.issues]
         return "\n".join(lines)
 
@@ -158,6 +173,16 @@ def train(model: nn.Module, adapter, data: TrainData, config: TrainConfig, run_d
     elif layer is not None and any(c.layer != layer for c in caches.values()):
         raise ValueError(f"caches: built at layer {[c.layer for c in caches.values()]}, the adapter needs layer {layer}")
     train_cache, val_cache = caches.get("train"), caches.get("val")
+    stm = drop = None
+    if objective.kind == "stm":  # f0's mask, once per training set (cached by its hash)
+        from .baselines.stm import apply_drop, stm_mask
+
+        drop, stm = stm_mask(model, adapter, data.train, train_cache, data.pad_id, objective.stm_tau,
+                             config.cache_batch_size)
+    target_sum = ce_sum
+    if objective.kind == "talr":
+        from .baselines.talr import talr_sum as target_sum
+    penalty = getattr(adapter, "penalty", lambda: None)
     retained = None
     teacher_cached = None
     if objective.uses_retained:
@@ -208,7 +233,9 @@ def train(model: nn.Module, adapter, data: TrainData, config: TrainConfig, run_d
             first = s * config.grad_accum
             group = [(first + j, collate(data.train, b, data.pad_id))
                      for j, b in enumerate(batches[first : first + config.grad_accum])]
-            n_target = sum(b.num_targets for _, b in group)
+            if drop is not None:
+                group = [(j, apply_drop(b, drop)) for j, b in group]
+            n_target = max(1, sum(b.num_targets for _, b in group))  # STM may drop every token of a step
             extra = [(retained.batch(epoch * n_batches + j)) for j, _ in group] if retained else []
             n_extra = sum(retained.positions(b) for b in extra) if retained else 0
             lr = lr_at(state["step"], total_steps, config)
@@ -216,9 +243,11 @@ def train(model: nn.Module, adapter, data: TrainData, config: TrainConfig, run_d
                 g["lr"] = lr
             loss_value = 0.0
             for k, (_, batch) in enumerate(group):
-                loss = ce_sum(model, adapter, batch, train_cache) / n_target
+                loss = target_sum(model, adapter, batch, train_cache) / n_target
                 if retained is not None:
                     loss = loss + retained.weight * retained.loss_sum(model, adapter, extra[k]) / n_extra
+                if k == 0 and (reg := penalty()) is not None:  # once per optimizer step
+                    loss = loss + reg
                 if not torch.isfinite(loss):
                     _diverged(run_dir, state, f"loss is {float(loss.detach())}")
                 loss.backward()
@@ -243,6 +272,8 @@ def train(model: nn.Module, adapter, data: TrainData, config: TrainConfig, run_d
         checkpoint(epoch_end=True)
     bar.close()
     summary = _summary(run_dir, state, data, config, layer, resumed_from, teacher_cached)
+    summary.budget = adapter.budget() if hasattr(adapter, "budget") else None
+    summary.stm = stm
     if config.progress:
         print(summary.format())
     return summary

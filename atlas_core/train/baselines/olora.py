@@ -1,0 +1,64 @@
+"""O-LoRA (Wang et al., EMNLP 2023 Findings, arXiv 2310.14152; code cmnfriend/O-LoRA): LoRA whose
+A is pushed orthogonal to a frozen "past" subspace.
+
+    loss = L_task + lambda1 * sum_ij |A_past A^T|_ij        (entrywise L1 of the r_past x r matrix)
+
+lambda1 = 0.5, no L2 term (the paper's lambda2 = 0), A_past frozen. In a continual sequence
+A_past is the earlier releases' A matrices (`past: files`, their lora_A rows stacked). For a
+single update (choice, default `past: pca`): the top-r eigenvectors of the retained input
+covariance C = X_ret^T X_ret, as rows, i.e. the directions the retained domains use most.
+The rest is plain LoRA (PEFT), saved as plain factors.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ...io import load_verified
+from ..lora import WeightLoRA
+from ..retained_stats import RetainedStats
+
+PAST = ("pca", "files")
+
+
+def olora_penalty(A: torch.Tensor, A_past: torch.Tensor, lam: float) -> torch.Tensor:
+    """lambda1 * sum |A_past A^T|: A (r, d_in), A_past (r_past, d_in)."""
+    if A.ndim != 2 or A_past.ndim != 2 or A.shape[1] != A_past.shape[1]:
+        raise ValueError(f"olora: expected A (r, d_in) and A_past (r_past, d_in), got {tuple(A.shape)}, {tuple(A_past.shape)}")
+    return lam * (A_past @ A.T).abs().sum()
+
+
+class OLoRA(WeightLoRA):
+    method = "o-lora"
+
+    def __init__(self, model, layer: int, rank: int, alpha: float, target: str, seed: int, lam: float = 0.5,
+                 past: str = "pca", stats: RetainedStats | None = None, past_files: Sequence[str] = ()):
+        super().__init__(model, layer, rank, alpha, target, seed)
+        if past not in PAST:
+            raise ValueError(f"o_lora.past: expected one of {PAST}, got {past!r}")
+        d_in = self.lora_A.shape[1]
+        if past == "pca":
+            if stats is None:
+                raise ValueError("o_lora.past 'pca' needs the retained statistics (stats=)")
+            _, vecs = torch.linalg.eigh(stats.matrix("cov", self.layer, self.target, d_in))  # ascending
+            self.A_past = vecs[:, -rank:].T.flip(0).float().contiguous()  # (r, d_in): top-r, largest first
+        else:
+            if not past_files:
+                raise ValueError("o_lora.past 'files' needs past_files: earlier adapters' files")
+            self.A_past = torch.cat([load_verified(p, kind="weight-lora")[0]["lora_A"].float() for p in past_files])
+            if self.A_past.shape[1] != d_in:
+                raise ValueError(f"o_lora.past_files: their A has d_in {self.A_past.shape[1]}, this projection {d_in}")
+        self.lam, self.past, self.stats_key = float(lam), past, stats.key if stats is not None else None
+
+    def to(self, device) -> "OLoRA":
+        super().to(device)
+        self.A_past = self.A_past.to(device)
+        return self
+
+    def penalty(self) -> torch.Tensor:
+        return olora_penalty(self.lora_A, self.A_past, self.lam)
+
+    def describe(self) -> dict:
+        return super().describe() | {"lambda1": self.lam, "past": self.past, "stats_key": self.stats_key,
+                                     "past_rows": int(self.A_past.shape[0])}
