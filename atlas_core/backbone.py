@@ -15,6 +15,7 @@ and only cut it short or swap lower layers for a cached result.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -149,6 +150,54 @@ def load_backbone(name: str = DEFAULT_BACKBONE, dtype: torch.dtype | str = torch
     if revision is None:
         revision = getattr(model.config, "_commit_hash", None) or f"local:{Path(path).resolve()}"
     return Backbone(name=name, revision=revision, model=model, tokenizer=tokenizer, layers=decoder_layers(model))
+
+
+_WEIGHT_FILES = ("*.safetensors", "*.bin")
+
+
+def weights_sha256(model: nn.Module, folder: Path | None = None) -> str:
+    """Content identity of a backbone's weights, whatever dtype it was loaded in: the sha256 of
+    its weight files ({file: sha256}, sorted) when it came from a folder or the local hub cache,
+    else (a model built in-process) of its float32 parameters and buffers by name."""
+    folder = folder or weights_folder(model)
+    digest = hashlib.sha256()
+    if folder is not None:
+        files = sorted(p for pattern in _WEIGHT_FILES for p in folder.glob(pattern))
+        digest.update(json.dumps({p.name: _file_sha256(p) for p in files}, sort_keys=True).encode())
+        return digest.hexdigest()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().to("cpu", torch.float32).contiguous()
+        digest.update(f"{name}:{tuple(t.shape)}".encode())
+        digest.update(t.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def weights_folder(model: nn.Module) -> Path | None:
+    """The folder a model's weights were loaded from (a local folder or the hub cache's snapshot)."""
+    source = str(getattr(model, "name_or_path", "") or "")
+    if source and Path(source).expanduser().is_dir():
+        return Path(source).expanduser()
+    commit = getattr(getattr(model, "config", None), "_commit_hash", None)
+    if source and commit:
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(source, revision=commit, local_files_only=True))
+        except Exception:  # not in the local cache in a form we can read: hash the tensors instead
+            return None
+    return None
+
+
+_file_hashes: dict[tuple, str] = {}
+
+
+def _file_sha256(path: Path) -> str:
+    """sha256 of a weight file, remembered per (path, size, mtime): a 16 GB backbone is hashed once per process."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _file_hashes:
+        _file_hashes[key] = sha256_file(path)
+    return _file_hashes[key]
 
 
 def _default_backbone_cache() -> tuple[Path, str]:

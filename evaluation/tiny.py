@@ -10,6 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+TINY_BACKBONE = "tiny-llama"  # the backbone name of the seeded toy (tests and smoke runs)
 TINY_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -52,3 +53,16 @@ def tiny_llama(vocab_size: int, seed: int = 0, hidden_size: int = 64, layers: in
         max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
     return LlamaForCausalLM(config).eval()
+
+
+def load_model(name: str, dtype: str = "auto"):
+    """An `atlas_core.backbone.Backbone` in `dtype` (a name from DTYPES, 'auto' included);
+    TINY_BACKBONE is a seeded random 4-layer fp32 toy, anything else atlas_core.backbone.load_backbone."""
+    from atlas_core.backbone import Backbone, decoder_layers, load_backbone
+
+    if name != TINY_BACKBONE:
+        return load_backbone(name, dtype)
+    tokenizer = tiny_tokenizer()
+    model = tiny_llama(len(tokenizer), seed=0, hidden_size=64, layers=4)
+    model.config.max_position_embeddings = 2048  # GSM8K contexts in a 400-token BPE run long
+    return Backbone(TINY_BACKBONE, f"tiny-seed0-d64-l4-v{len(tokenizer)}", model, tokenizer, decoder_layers(model))

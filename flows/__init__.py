@@ -7,6 +7,7 @@
       evaluate_candidate  target score, retained KL, answers, churn (flows/evaluate.py)
       gate / promote  release policy checks, selection, champion move (flows/release.py)
     rollback          move champion back (flows/release.py)
+    load_release      a version as a ready transformers model (flows/serving.py; MLflow pyfunc: flows/pyfunc.py)
 
 Configs: flows/config.py (UpdateConfig, configs/update/), flows/policy.py (ReleasePolicy,
 configs/policy/). Where state lives: flows/platform.py; the process resources the stages
@@ -14,5 +15,6 @@ look up by value (backbone, deltas, atlases, KL caches): flows/runtime.py. Impor
 Prefect's home at the project state folder (unless PREFECT_HOME is set).
 """
 from .platform import configure_environment
+from .serving import load_release  # noqa: F401 (the public way to use a release)
 
 configure_environment()

@@ -1,4 +1,5 @@
-"""The release-level commands of `atlas`: update, serve, status, compare, history, rollback, renominate, gate."""
+"""The release-level commands of `atlas`: update, serve, status, compare, history, rollback, renominate, gate
+(and, from flows/cli_use.py, generate and export)."""
 from __future__ import annotations
 
 import argparse
@@ -241,3 +242,7 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--explain", required=True, metavar="VERSION", help="version: name, champion, mlflow:<n> or #<id>")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_gate)
+
+    from .cli_use import add_commands as add_use_commands
+
+    add_use_commands(sub, common, model)

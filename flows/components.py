@@ -5,22 +5,12 @@ from __future__ import annotations
 
 import json
 
-TINY_BACKBONE = "tiny-llama"
-
 
 def load_model(name: str, dtype: str):
-    """An `atlas_core.backbone.Backbone` in `dtype` (a name from DTYPES, 'auto' included);
-    'tiny-llama' is a seeded random 4-layer fp32 toy (tests)."""
-    from atlas_core.backbone import Backbone, decoder_layers, load_backbone
+    """The cycle's backbone (evaluation.tiny.load_model: 'tiny-llama' or any atlas_core backbone)."""
+    from evaluation.tiny import load_model as load
 
-    if name != TINY_BACKBONE:
-        return load_backbone(name, dtype)
-    from evaluation.tiny import tiny_llama, tiny_tokenizer
-
-    tokenizer = tiny_tokenizer()
-    model = tiny_llama(len(tokenizer), seed=0, hidden_size=64, layers=4)
-    model.config.max_position_embeddings = 2048  # GSM8K contexts in a 400-token BPE run long
-    return Backbone(TINY_BACKBONE, f"tiny-seed0-d64-l4-v{len(tokenizer)}", model, tokenizer, decoder_layers(model))
+    return load(name, dtype)
 
 
 # ------------------------------------------------------------------------------ target scorers

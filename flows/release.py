@@ -52,13 +52,14 @@ def record_decision(ctx: CycleContext, m: CandidateMetrics, checks: list[GateChe
 
 @task(cache_policy=NO_CACHE, retries=3, retry_delay_seconds=3, retry_condition_fn=transient_only)
 def publish(version_id: int) -> str:
-    """The version as an MLflow model version (created once) with its current gate verdict as tags."""
+    """The version as an MLflow pyfunc model version (created once) with its current gate verdict as tags."""
     from registry import publish_version, sync_version_tags
 
+    from .pyfunc import pyfunc_model
     from .runtime import platform
 
     p = platform()
-    number = publish_version(p.ledger, p.store, p.bridge, version_id)
+    number = publish_version(p.ledger, p.store, p.bridge, version_id, pyfunc_model())
     sync_version_tags(p.ledger, p.bridge, version_id)
     return number
 

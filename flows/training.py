@@ -59,7 +59,7 @@ def run_key(ctx: CycleContext, method: str, run_config, variant, skill: SkillSet
 def open_training_run(ctx: CycleContext, method: str, seed: int, run_config, variant, key: str, dataset_id: int,
                       skill_sha256: str) -> tuple[int, str]:
     """(training run id, status): the run with this key, or a new one."""
-    from registry import ensure_mlflow_run, find_training_run, start_training_run
+    from registry import end_mlflow_run, find_training_run, start_training_run
 
     from .runtime import ledger, platform
 
@@ -72,7 +72,8 @@ def open_training_run(ctx: CycleContext, method: str, seed: int, run_config, var
                                     atlas_id=atlas.atlas_id if atlas else None, dataset_id=dataset_id,
                                     flow_run_id=ctx.flow_run_id, model_id=ctx.model.id,
                                     parent_version_id=ctx.champion.version.id), "running")
-    ensure_mlflow_run(ledger(), platform().bridge, found[0])
+    if found[1] != "finished":  # new, interrupted or failed before: it runs (again) now
+        end_mlflow_run(ledger(), platform().bridge, found[0], "running")
     return found
 
 
@@ -125,19 +126,28 @@ def train_run(ctx: CycleContext, training_run_id: int, run_config, variant, skil
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
 def reconcile_checkpoints(evaluate: str, training_run_id: int, checkpoints: list[str]) -> list[int]:
     """Record any checkpoint a crash left unrecorded; return the run's candidate version ids."""
-    from registry import finish_training_run, register_version, run_checkpoints
+    from registry import end_mlflow_run, register_version, run_checkpoints
 
-    from .runtime import ledger
+    from .runtime import ledger, platform
 
     for path in checkpoints:
         if Path(path).is_dir():
             record_checkpoint_files(evaluate, training_run_id, Path(path))
-    finish_training_run(ledger(), training_run_id, "finished")
+    end_mlflow_run(ledger(), platform().bridge, training_run_id, "finished")
     recorded = run_checkpoints(ledger(), training_run_id)
     eligible = [cid for cid, _, _, m in recorded if evaluate == "all" or (evaluate == "epoch-ends" and m.get("epoch_end"))]
     if evaluate == "final" and recorded:
         eligible = [recorded[-1][0]]
     return [register_version(ledger(), cid).id for cid in eligible]
+
+
+@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
+def end_training_run(training_run_id: int, status: str) -> None:
+    from registry import end_mlflow_run
+
+    from .runtime import ledger, platform
+
+    end_mlflow_run(ledger(), platform().bridge, training_run_id, status)
 
 
 def planned_runs(ctx: CycleContext, skill: SkillSet) -> list[tuple[str, int, object, object, str]]:
@@ -169,6 +179,10 @@ def train_skill(ctx: CycleContext) -> list[int]:
             log.info(f"{method} seed {seed}: training run {run_id} already finished; reusing its checkpoints")
             checkpoints = []
         else:
-            checkpoints = train_run(ctx, run_id, run_config, variant, skill, run_dir)
+            try:
+                checkpoints = train_run(ctx, run_id, run_config, variant, skill, run_dir)
+            except BaseException:  # shown FAILED until a rerun resumes it from its last checkpoint
+                end_training_run(run_id, "failed")
+                raise
         versions += reconcile_checkpoints(ctx.config.evaluate, run_id, checkpoints)
     return [v for v in versions if get_version(ledger(), v).status == "active"]

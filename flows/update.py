@@ -44,24 +44,26 @@ from .retries import transient_only  # noqa: E402
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=transient_only)
-def load_backbone_task(name: str, dtype: str) -> tuple[str, str, int]:
+def load_backbone_task(name: str, dtype: str) -> tuple[str, str, int, str]:
     """Load the backbone (first use converts the shipped GGUF; transient errors are retried);
-    returns (revision, resolved dtype, number of decoder layers)."""
+    returns (revision, resolved dtype, number of decoder layers, weights sha256)."""
+    from atlas_core.backbone import weights_sha256
+
     from .runtime import load_backbone
 
     bb = load_backbone(name, dtype)
-    return bb.revision, bb.dtype, bb.num_layers
+    return bb.revision, bb.dtype, bb.num_layers, weights_sha256(bb.model)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
-def record_lineage(name: str, revision: str, line: str) -> tuple[int, ModelInfo, VersionInfo, VersionInfo]:
+def record_lineage(name: str, revision: str, weights: str, line: str) -> tuple[int, ModelInfo, VersionInfo, VersionInfo]:
     """Backbone, line and its base version in the ledger (get-or-create), and the champion's holder
     (the base while nobody holds it): (backbone id, line, base, champion)."""
     from registry import alias_holder, base_version, ensure_backbone, ensure_model
 
     from .runtime import ledger
 
-    backbone_id = ensure_backbone(ledger(), name, revision)
+    backbone_id = ensure_backbone(ledger(), name, revision, weights)
     model = ensure_model(ledger(), backbone_id, line)
     base = base_version(ledger(), model.id)
     return backbone_id, model, base, alias_holder(ledger(), model.id) or base
@@ -77,8 +79,8 @@ def resolve_lineage(config: UpdateConfig, policy: ReleasePolicy, flow_run_id: Op
     from .runtime import ledger, resolve_applied, scorer
     from .skills import SkillSpec, released_skills
 
-    revision, dtype, layers = load_backbone_task(config.backbone, config.dtype)
-    backbone_id, model, base, holder = record_lineage(config.backbone, revision, config.line_name)
+    revision, dtype, layers, weights = load_backbone_task(config.backbone, config.dtype)
+    backbone_id, model, base, holder = record_lineage(config.backbone, revision, weights, config.line_name)
     layer = layers // 2 if config.layer == -1 else config.layer
     champion = resolve_applied(holder)
     skill = SkillSpec.from_config(config)

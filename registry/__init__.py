@@ -79,7 +79,7 @@ from registry.lines import (
     register_version,
     version_chain,
 )
-from registry.mlflow_bridge import MANAGED_ALIASES, MlflowBridge, MlflowConfig
+from registry.mlflow_bridge import MANAGED_ALIASES, MlflowBridge, MlflowConfig, PyfuncModel
 from registry.promotion import (
     ANY_HOLDER,
     FROM_GATE,
@@ -95,7 +95,15 @@ from registry.promotion import (
     repair,
     rollback,
 )
-from registry.publish import ensure_mlflow_run, log_checkpoint, publish_version, sync_version_tags, version_tags
+from registry.publish import (
+    end_mlflow_run,
+    ensure_mlflow_run,
+    log_checkpoint,
+    publish_version,
+    sync_version_tags,
+    version_tags,
+    write_release_folder,
+)
 from registry.queries import (
     atlas_files,
     evaluation_extra,

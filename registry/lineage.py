@@ -25,9 +25,13 @@ RUN_STATUSES = ("running", "finished", "failed")
 # -- backbones, datasets, atlases ------------------------------------------------------
 
 
-def ensure_backbone(ledger: Ledger, name: str, revision: str) -> int:
+def ensure_backbone(ledger: Ledger, name: str, revision: str, weights_sha256: Optional[str] = None) -> int:
+    """The backbone row of (name, revision); records the weights' sha256 when given, and refuses
+    one that differs from what was recorded (same revision, other weights)."""
     if not name or not revision:
         raise LedgerError(f"backbone: name and revision are required, got {name!r}, {revision!r}")
+    if weights_sha256 is not None:
+        check_sha256(weights_sha256, "backbone weights_sha256")
 
     def create() -> int:
         with ledger.transaction() as s:
@@ -35,7 +39,12 @@ def ensure_backbone(ledger: Ledger, name: str, revision: str) -> int:
             if row is None:
                 row = Backbone(name=name, revision=revision)
                 s.add(row)
-                s.flush()
+            if weights_sha256 is not None:
+                if row.weights_sha256 not in (None, weights_sha256):
+                    raise LedgerError(f"backbone {name!r} at revision {revision}: its weights have sha256 "
+                                      f"{weights_sha256}, the ledger recorded {row.weights_sha256}")
+                row.weights_sha256 = weights_sha256
+            s.flush()
             return row.id
 
     return once_more_on_conflict(create)

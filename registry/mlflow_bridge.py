@@ -46,6 +46,18 @@ class MlflowConfig:
         return cls(url, artifact_root)
 
 
+@dataclass(frozen=True)
+class PyfuncModel:
+    """How a release folder becomes an MLflow pyfunc model. The caller supplies it (the registry
+    holds no model code): a `mlflow.pyfunc.PythonModel` whose `load_context` reads
+    `context.artifacts["release"]`, with its signature, input example and requirements."""
+
+    python_model: Any
+    signature: Any = None
+    input_example: Any = None
+    pip_requirements: Optional[list[str]] = None
+
+
 def experiment_name(backbone: str, line: str) -> str:
     return f"{backbone} / {line}"
 
@@ -113,11 +125,31 @@ class MlflowBridge:
     def log_folder(self, run_id: str, folder: str | Path, artifact_path: str) -> None:
         self.client.log_artifacts(run_id, str(folder), artifact_path)
 
+    def log_pyfunc(self, run_id: str, artifact_path: str, release_folder: str | Path, model: PyfuncModel) -> None:
+        """Save `release_folder` as a pyfunc model (MLmodel, environment, artifacts/release) and log it."""
+        import tempfile
+
+        import mlflow.pyfunc
+
+        with tempfile.TemporaryDirectory(prefix="registry-pyfunc-") as tmp:
+            path = Path(tmp) / "model"
+            mlflow.pyfunc.save_model(str(path), python_model=model.python_model,
+                                     artifacts={"release": str(release_folder)}, signature=model.signature,
+                                     input_example=model.input_example, pip_requirements=model.pip_requirements)
+            self.log_folder(run_id, path, artifact_path)
+
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         self.client.log_text(run_id, text, artifact_file)
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status)
+
+    def set_run_status(self, run_id: str, status: str) -> None:
+        """RUNNING (a resumed run), FINISHED or FAILED (with its end time)."""
+        if status == "RUNNING":
+            self.client.update_run(run_id, status="RUNNING")
+        else:
+            self.client.set_terminated(run_id, status)
 
     def run_artifact_uri(self, run_id: str) -> str:
         return self.client.get_run(run_id).info.artifact_uri

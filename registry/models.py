@@ -77,6 +77,8 @@ class Backbone(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(255))
     revision: Mapped[str] = mapped_column(String(255))
+    # sha256 of the weights (atlas_core.backbone.weights_sha256); None until a cycle loaded them
+    weights_sha256: Mapped[Optional[str]] = mapped_column(String(64), nullable=True)
     created_at: Mapped[datetime] = _created_at()
 
 

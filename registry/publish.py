@@ -10,9 +10,10 @@ import tempfile
 from pathlib import Path
 
 from registry.db import Ledger, LedgerError
-from registry.lineage import link_mlflow_run
+from registry.lineage import finish_training_run, link_mlflow_run
 from registry.lines import get_version, set_mlflow_version, short_backbone, version_chain
-from registry.mlflow_bridge import MlflowBridge
+from registry.queries import atlas_config, run_checkpoints
+from registry.mlflow_bridge import MlflowBridge, PyfuncModel
 from registry.models import Atlas, Backbone, Checkpoint, Dataset, RegisteredModel, TrainingRun
 from registry.results import get_answers, latest_gate_decision
 from registry.rows import require_row
@@ -20,6 +21,7 @@ from registry.store import ArtifactStore, atomic_write_text
 
 RUN_TAG = "ledger.training_run_id"
 VERSION_TAG = "ledger.version_id"
+RELEASE_FORMAT = 2  # the folder layout atlas_core.release reads
 
 
 def ensure_mlflow_run(ledger: Ledger, bridge: MlflowBridge, training_run_id: int) -> str:
@@ -54,6 +56,13 @@ def ensure_mlflow_run(ledger: Ledger, bridge: MlflowBridge, training_run_id: int
                                                                             "sha256": sha256}, sort_keys=True))
     link_mlflow_run(ledger, training_run_id, run_id)
     return run_id
+
+
+def end_mlflow_run(ledger: Ledger, bridge: MlflowBridge, training_run_id: int, status: str) -> None:
+    """Set a training run's ledger status ("running" | "finished" | "failed") and its MLflow run's
+    to match (RUNNING | FINISHED | FAILED), so the MLflow UI shows runs end when training ends."""
+    finish_training_run(ledger, training_run_id, status)
+    bridge.set_run_status(ensure_mlflow_run(ledger, bridge, training_run_id), status.upper())
 
 
 def log_checkpoint(ledger: Ledger, bridge: MlflowBridge, checkpoint_id: int) -> None:
@@ -96,36 +105,55 @@ def sync_version_tags(ledger: Ledger, bridge: MlflowBridge, version_id: int) -> 
     bridge.set_version_tags(v.model_name, v.mlflow_version, version_tags(ledger, version_id))
 
 
-def _write_version_folder(ledger: Ledger, store: ArtifactStore, version_id: int, folder: Path) -> None:
-    """adapter + atlas (verified copies from the store), answers.jsonl and manifest.json."""
-    v = get_version(ledger, version_id)
-    files = {"adapter.safetensors": v.adapter_sha256}
+def _delta_files(ledger: Ledger, v) -> dict[str, tuple[str, str | None]]:
+    """role -> (sha256, manifest sha256 or None) of a version's delta and of the atlas it routes with."""
+    metrics = {cid: m for cid, _, _, m in run_checkpoints(ledger, v.training_run_id)}
+    files = {"adapter": (v.adapter_sha256, metrics.get(v.checkpoint_id, {}).get("manifest_sha256"))}
     if v.atlas_sha256 is not None:
-        files["atlas.safetensors"] = v.atlas_sha256
-    for name, sha256 in files.items():
-        store.fetch(sha256, folder / name)
+        files["atlas"] = (v.atlas_sha256, atlas_config(ledger, v.atlas_id).get("manifest_sha256"))
+    return files
+
+
+def write_release_folder(ledger: Ledger, store: ArtifactStore, version_id: int, folder: Path) -> dict:
+    """The version's release folder (format of atlas_core.release): every delta of its chain and
+    every atlas they route with, each with its manifest (verified copies from the store), the
+    backbone by reference, answers.jsonl and manifest.json (written last). Returns the manifest."""
+    v = get_version(ledger, version_id)
+    with ledger.transaction() as s:
+        backbone = s.get(Backbone, s.get(RegisteredModel, v.model_id).backbone_id)
+        revision, weights_sha256 = backbone.revision, backbone.weights_sha256
+    chain = []
+    for i, d in enumerate(version_chain(ledger, version_id), start=1):
+        entry = {"ledger_version_id": d.id, "name": d.name, "skill": d.skill, "method": d.method,
+                 "adapter_sha256": d.adapter_sha256, "atlas_sha256": d.atlas_sha256, "atlas": None}
+        for role, (sha256, manifest_sha256) in _delta_files(ledger, d).items():
+            stem = f"deltas/{i:02d}-{d.name}" if role == "adapter" else f"atlases/{sha256[:16]}"
+            store.fetch(sha256, folder / f"{stem}.safetensors")
+            if manifest_sha256 is not None:  # recorded by every cycle; absent only in hand-made ledgers
+                store.fetch(manifest_sha256, folder / f"{stem}.json")
+            entry[role] = f"{stem}.safetensors"
+        chain.append(entry)
     answers = sorted(get_answers(ledger, version_id).values(), key=lambda a: (a.dataset, a.question_id))
     lines = [json.dumps({"dataset": a.dataset, "question_id": a.question_id, "answer": a.answer,
                          "correct": a.correct}, sort_keys=True) for a in answers]
     atomic_write_text(folder / "answers.jsonl", "".join(line + "\n" for line in lines))
-    # The chain tells a loader which earlier deltas (verified by sha256) go under this one.
-    chain = [{"ledger_version_id": d.id, "name": d.name, "skill": d.skill, "method": d.method,
-              "adapter_sha256": d.adapter_sha256, "atlas_sha256": d.atlas_sha256}
-             for d in version_chain(ledger, version_id)]
-    manifest = {"name": v.name, "model": v.model_name, "backbone": v.backbone, "line": v.line, "skill": v.skill,
+    manifest = {"format": RELEASE_FORMAT, "name": v.name, "model": v.model_name, "line": v.line, "skill": v.skill,
+                "backbone": {"name": v.backbone, "revision": revision, "weights_sha256": weights_sha256},
                 "method": v.method, "seed": v.seed, "epoch": v.epoch, "step": v.step,
                 "ledger_version_id": v.id, "ledger_checkpoint_id": v.checkpoint_id,
-                "ledger_parent_version_id": v.parent_id, "chain": chain,
-                "files": {name: {"sha256": sha256} for name, sha256 in files.items()}}
+                "ledger_parent_version_id": v.parent_id, "chain": chain}
     atomic_write_text(folder / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest
 
 
-def publish_version(ledger: Ledger, store: ArtifactStore, bridge: MlflowBridge, version_id: int) -> str:
+def publish_version(ledger: Ledger, store: ArtifactStore, bridge: MlflowBridge, version_id: int,
+                    pyfunc: PyfuncModel | None = None) -> str:
     """Create the MLflow model version of a ledger version; returns the MLflow version number.
 
-    Its files (adapter, atlas, answers, manifest) are logged under `versions/<name>/` of
-    the training run, and the version's source points there, so `models:/<name>@champion`
-    downloads exactly them.
+    The version's release folder is logged under `versions/<name>/` of its training run and the
+    version's source points there, so `models:/<name>@champion` is exactly it: with `pyfunc`
+    an MLflow pyfunc model (MLmodel at the top, the folder under artifacts/release) that
+    `mlflow.pyfunc.load_model` and `mlflow models serve` run; without it the bare folder.
     """
     v = get_version(ledger, version_id)
     if v.is_base:
@@ -138,10 +166,13 @@ def publish_version(ledger: Ledger, store: ArtifactStore, bridge: MlflowBridge, 
     if existing is None:
         artifact_path = f"versions/{v.name}"
         with tempfile.TemporaryDirectory(prefix="registry-publish-") as tmp:
-            _write_version_folder(ledger, store, version_id, Path(tmp))
-            bridge.log_folder(run_id, tmp, artifact_path)
+            folder = Path(tmp) / "release"
+            write_release_folder(ledger, store, version_id, folder)
+            if pyfunc is None:
+                bridge.log_folder(run_id, folder, artifact_path)
+            else:
+                bridge.log_pyfunc(run_id, artifact_path, folder, pyfunc)
         existing = bridge.create_version(v.model_name, run_id, artifact_path,
                                          version_tags(ledger, version_id), description=v.name)
     set_mlflow_version(ledger, version_id, existing)
     return existing
-

@@ -85,6 +85,12 @@ def recent_training_runs(ledger: Ledger, backbone_id: int, skill: Optional[str],
                  "flow_run_id": r.flow_run_id, "started": r.started_at.strftime("%Y-%m-%d %H:%M:%S")} for r in rows]
 
 
+def atlas_config(ledger: Ledger, atlas_id: int) -> dict:
+    """The config recorded with an atlas (its fit plan and the manifest's sha256)."""
+    with ledger.transaction() as s:
+        return dict(require_row(s, Atlas, atlas_id, "atlas").config)
+
+
 def atlas_files(ledger: Ledger, atlas_id: int) -> tuple[str, str]:
     """(artifact sha256, manifest sha256) of a recorded atlas, to load an older champion's atlas."""
     with ledger.transaction() as s:

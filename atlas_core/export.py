@@ -1,0 +1,153 @@
+"""Exporting a loaded release (atlas_core.release) for tools that know nothing of the platform.
+
+    folder   the release folder itself (+ the backbone's files with bundle_backbone): for
+             `flows.load_release(folder)` and `mlflow models serve` on an air-gapped host
+    peft     a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) that
+             `PeftModel.from_pretrained(base, dir)` loads: a chain of LoRA deltas as ONE LoRA
+             adapter (what vLLM serves per request), a chain of ATLAS residuals as one adapter
+             of the ATLAS PEFT method (atlas_core.residual.peft; needs `import atlas_core`)
+    merged   a plain transformers model folder with every LoRA delta folded into its weights
+
+One LoRA from a chain. Deltas on one module add: W x + sum_i s_i B_i A_i x. Stacking the
+factors, A = [A_1; A_2; ...] (sum r_i, d_in) and B = [s_1 B_1, s_2 B_2, ...] (d_out, sum r_i),
+gives B A = sum_i s_i B_i A_i, which is PEFT's `add_weighted_adapter(combination_type="cat")`
+with unit weights; the adapter's scaling is set to 1 (lora_alpha = r per module).
+"""
+from __future__ import annotations
+
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from .backbone import weights_folder, weights_sha256
+from .chain import Chain, FrozenLoRA
+from .io import atomic_write_json
+from .release import MANIFEST, LoadedRelease, read_manifest
+from .residual import AtlasResidual
+
+FORMATS = ("folder", "peft", "merged")
+
+
+def _fresh(out: str | Path) -> Path:
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out: {out} exists and is not empty; choose a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def export_folder(release: LoadedRelease, source: str | Path, out: str | Path, bundle_backbone: bool = False) -> Path:
+    """Copy the release folder; with `bundle_backbone`, the backbone's files go under backbone/:
+    its own weight files when it was loaded from a folder (so they keep the sha256 the release
+    names), else (a model built in-process) saved now and recorded as `bundle_weights_sha256`."""
+    out = _fresh(out)
+    shutil.copytree(source, out, dirs_exist_ok=True)
+    if not bundle_backbone or (out / "backbone").is_dir():
+        return out
+    origin = weights_folder(release.backbone.model)
+    if origin is not None:
+        shutil.copytree(origin, out / "backbone")
+        return out
+    with detached(release):  # the saved weights must be the plain backbone's
+        release.backbone.model.save_pretrained(out / "backbone")
+    release.backbone.tokenizer.save_pretrained(out / "backbone")
+    manifest = read_manifest(out)
+    manifest["backbone"]["bundle_weights_sha256"] = weights_sha256(release.backbone.model, out / "backbone")
+    atomic_write_json(out / MANIFEST, manifest)
+    return out
+
+
+@contextmanager
+def detached(release: LoadedRelease):
+    """The release's model without its chain for a moment (hooks removed, then attached again)."""
+    release.detach()
+    try:
+        yield
+    finally:
+        release.attach()
+
+
+def lora_factors(chain: Chain) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """module name -> (A (R, d_in), B (d_out, R)) with B A = the sum of the chain's LoRA updates there."""
+    stacks: dict[str, tuple[list, list]] = {}
+    for i, delta in enumerate(chain.deltas, start=1):
+        if not isinstance(delta, FrozenLoRA):
+            raise ValueError(f"delta {i} of the chain is an ATLAS residual: it is input-conditioned (routed by h), "
+                             "so it is no LoRA and folds into no weight; export it with --format peft (the ATLAS "
+                             "PEFT method) or --format folder")
+        a_list, b_list = stacks.setdefault(delta.module_name, ([], []))
+        a_list.append(delta.lora_A.float())
+        b_list.append(delta.lora_B.float() * delta.scaling)
+    return {m: (torch.cat(a), torch.cat(b, dim=1)) for m, (a, b) in stacks.items()}
+
+
+def export_peft(release: LoadedRelease, out: str | Path) -> Path:
+    """The chain as one PEFT adapter: LoRA for LoRA deltas, the ATLAS method for residuals."""
+    kinds = {isinstance(d, AtlasResidual) for d in release.chain.deltas}
+    if not kinds:
+        raise ValueError(f"{release.name}: the base version has no delta to export")
+    if kinds == {True}:
+        from .residual.peft import save_atlas_adapter
+
+        out = _fresh(out)
+        save_atlas_adapter(release.chain, release.manifest["backbone"]["name"], out)
+        return out
+    if kinds == {True, False}:
+        raise ValueError(f"{release.name}: its chain mixes ATLAS residuals and LoRA deltas; one PEFT adapter holds "
+                         "one method: export with --format folder")
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    factors = lora_factors(release.chain)
+    ranks = {m: a.shape[0] for m, (a, _) in factors.items()}
+    top = max(ranks.values())
+    config = LoraConfig(r=top, lora_alpha=top, target_modules=sorted(factors), lora_dropout=0.0, bias="none",
+                        rank_pattern=ranks, alpha_pattern=ranks,  # scaling alpha / r = 1 on every module
+                        base_model_name_or_path=release.manifest["backbone"]["name"], task_type="CAUSAL_LM")
+    out = _fresh(out)
+    config.save_pretrained(out)
+    tensors = {}
+    for module, (a, b) in factors.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()  # (R, d_in)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()  # (d_out, R)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    _provenance(release, out)
+    return out
+
+
+@torch.no_grad()
+def export_merged(release: LoadedRelease, out: str | Path) -> Path:
+    """A transformers folder with W + B A folded in for every LoRA delta (in fp32, then the model's dtype)."""
+    factors = lora_factors(release.chain)
+    model = release.backbone.model
+    state = model.state_dict()
+    for module, (a, b) in factors.items():
+        key = f"{module}.weight"
+        w = state[key]
+        state[key] = (w.float() + (b.to(w.device) @ a.to(w.device))).to(w.dtype)  # (d_out, d_in)
+    out = _fresh(out)
+    model.save_pretrained(out, state_dict=state)
+    release.tokenizer.save_pretrained(out)
+    _provenance(release, out)
+    return out
+
+
+def _provenance(release: LoadedRelease, out: Path) -> None:
+    """What the export was made from: the release's name, backbone reference and chain (by sha256)."""
+    m = release.manifest
+    atomic_write_json(out / "atlas_release.json", {"name": m["name"], "model": m.get("model"), "backbone": m["backbone"],
+                                                   "chain": [{k: d.get(k) for k in ("name", "method", "adapter_sha256",
+                                                                                    "atlas_sha256")} for d in m["chain"]]})
+
+
+def export(release: LoadedRelease, source: str | Path, fmt: str, out: str | Path, bundle_backbone: bool = False) -> Path:
+    if fmt == "folder":
+        return export_folder(release, source, out, bundle_backbone)
+    if fmt == "peft":
+        return export_peft(release, out)
+    if fmt == "merged":
+        return export_merged(release, out)
+    raise ValueError(f"--format: expected one of {FORMATS}, got {fmt!r}")
+

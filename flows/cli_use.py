@@ -1,0 +1,121 @@
+"""The commands that use a release: `atlas generate` and `atlas export`.
+
+    atlas generate --line code "Write a function that reverses a string."      # streams the reply
+    atlas generate --line code --input prompts.jsonl --output replies.jsonl
+    atlas export champion --line code --format peft --out exports/code-peft
+
+A version is named as everywhere else (champion, base, a version name, mlflow:<n>, #<id>)
+within --model / --backbone + --line, or given as an MLflow model URI or a release folder.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _load(args: argparse.Namespace):
+    from .serving import load_release, release_folder
+
+    target, version = _target(args)
+    folder = release_folder(target, version, args.backbone)
+    return load_release(str(folder), dtype=args.dtype, device=args.device), folder
+
+
+def _target(args: argparse.Namespace) -> tuple[str, str]:
+    """(registered model, URI or folder; version) from the arguments."""
+    from registry import model_name_for
+
+    version = args.version
+    if version.startswith(("models:/", "runs:/")) or Path(version).expanduser().is_dir():
+        return version, "champion"
+    return args.model or model_name_for(args.backbone, args.line), version
+
+
+def _read_prompts(path: str) -> list[str]:
+    """One prompt per line: {"prompt": "..."} or a JSON string."""
+    prompts = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise FileNotFoundError(f"--input {path}: cannot be read ({e.strerror})") from None
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"--input {path}, line {n}: not JSON ({e})") from None
+        prompt = row.get("prompt") if isinstance(row, dict) else row
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"--input {path}, line {n}: expected {{\"prompt\": \"...\"}} or a JSON string, got {line[:80]!r}")
+        prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"--input {path}: no prompts")
+    return prompts
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from evaluation.chat import Sampling, chat
+
+    if (args.prompt is None) == (args.input is None):
+        raise ValueError("give one prompt or --input FILE (not both)")
+    prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.input)
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
+    release, _ = _load(args)
+    print(f"[{release.name} on {release.manifest['backbone']['name']}, {len(release.chain)} delta(s)]", file=sys.stderr)
+    if args.output is None and len(prompts) == 1:
+        from transformers import TextStreamer
+
+        chat(release.model, release.tokenizer, prompts, sampling, streamer=TextStreamer(release.tokenizer, skip_prompt=True,
+                                                                                        skip_special_tokens=True))
+        return 0
+    replies = chat(release.model, release.tokenizer, prompts, sampling, batch_size=args.batch_size)
+    rows = "".join(json.dumps({"prompt": p, "text": t, "version": release.name}) + "\n" for p, t in zip(prompts, replies))
+    if args.output is None:
+        sys.stdout.write(rows)
+    else:
+        from atlas_core.io import atomic_write_bytes
+
+        atomic_write_bytes(args.output, rows.encode())
+        print(f"{len(replies)} replies -> {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from atlas_core.export import export
+
+    release, folder = _load(args)
+    out = export(release, folder, args.format, args.out, bundle_backbone=args.bundle_backbone)
+    print(f"{release.name} ({len(release.chain)} delta(s)) -> {out} [{args.format}]")
+    return 0
+
+
+def add_commands(sub, common: argparse.ArgumentParser, model: argparse.ArgumentParser) -> None:
+    from atlas_core.export import FORMATS
+
+    use = argparse.ArgumentParser(add_help=False)
+    use.add_argument("--device", default=None, help="torch device to run on (default: the CPU)")
+    p = sub.add_parser("generate", parents=[common, model, use], help="generate with a release (chat template, greedy "
+                       "by default, streamed)")
+    p.add_argument("prompt", nargs="?", default=None, help="one user message (or --input)")
+    p.add_argument("--version", default="champion", help="champion (default), base, a version name, mlflow:<n>, "
+                   "#<id>, an MLflow model URI or a release folder")
+    p.add_argument("--input", default=None, help="JSONL of prompts: {\"prompt\": ...} per line")
+    p.add_argument("--output", default=None, help="JSONL of replies (default: stdout)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per batch with --input")
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("export", parents=[common, model, use], help="export a release: a PEFT adapter, merged weights "
+                       "or the release folder")
+    p.add_argument("version", help="champion, base, a version name, mlflow:<n>, #<id>, an MLflow model URI or a folder")
+    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument("--out", required=True, help="a new (or empty) folder")
+    p.add_argument("--bundle-backbone", action="store_true", help="folder: copy the backbone's weights in too "
+                   "(air-gapped serving)")
+    p.set_defaults(func=cmd_export)
