@@ -92,7 +92,7 @@ def export_peft(release: LoadedRelease, out: str | Path) -> Path:
         from .residual.peft import save_atlas_adapter
 
         out = _fresh(out)
-        save_atlas_adapter(release.chain, release.manifest["backbone"]["name"], out)
+        save_atlas_adapter(release.chain, release.model, release.manifest["backbone"]["name"], out)
         return out
     if kinds == {True, False}:
         raise ValueError(f"{release.name}: its chain mixes ATLAS residuals and LoRA deltas; one PEFT adapter holds "

@@ -126,6 +126,25 @@ def test_two_lora_deltas_export_as_one_peft_adapter_with_the_same_logits(tmp_pat
         torch.testing.assert_close(peft_model(ids).logits, platform_logits(folder, ids), rtol=1e-5, atol=1e-5)
 
 
+def test_an_atlas_chain_exports_as_one_peft_adapter_that_peft_saves_and_loads_like_a_lora(tmp_path):
+    import atlas_core  # noqa: F401 (registers the ATLAS PEFT method)
+    from peft import PeftModel
+
+    folder, ids = write_release(tmp_path, ("atlas", "atlas")), _ids()  # two residuals on layer 2, in chain order
+    release = load_folder(folder, dtype="float32", backbone_loader=load_model)
+    out = export_peft(release, tmp_path / "peft")
+    assert json.loads((out / "adapter_config.json").read_text())["peft_type"] == "ATLAS"
+    want = platform_logits(folder, ids)
+    peft_model = PeftModel.from_pretrained(load_model(TINY, "float32").model, str(out))
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(ids).logits, want, rtol=1e-5, atol=1e-5)
+        peft_model.save_pretrained(tmp_path / "again")  # PEFT's own save of the loaded adapter
+        again = PeftModel.from_pretrained(load_model(TINY, "float32").model, str(tmp_path / "again"))
+        torch.testing.assert_close(again(ids).logits, want, rtol=1e-5, atol=1e-5)
+        with again.disable_adapter():
+            torch.testing.assert_close(again(ids).logits, load_model(TINY, "float32").model(ids).logits, rtol=0, atol=0)
+
+
 def test_a_lora_chain_exports_merged_weights_that_plain_transformers_loads(tmp_path):
     from transformers import AutoModelForCausalLM
 

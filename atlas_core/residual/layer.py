@@ -30,7 +30,8 @@ CENTERED = ("centered", "centered-distance")
 
 
 class AtlasResidual(nn.Module):
-    def __init__(self, config: ResidualConfig, dim: int, atlas: Atlas | None = None):
+    def __init__(self, config: ResidualConfig, dim: int, atlas: Atlas | None = None, calibrate: bool = True):
+        """`calibrate=False`: leave s / s_d unset (NaN) for a caller that loads them (saved adapters)."""
         super().__init__()
         self.config, self.dim = config, dim
         needed = config.atlas_variant
@@ -62,7 +63,7 @@ class AtlasResidual(nn.Module):
         self.register_buffer("s", torch.tensor(float(config.scale) if config.scale != "calibrated" else float("nan")))
         self.register_buffer("s_d", torch.tensor(float("nan")))
         self._cache: dict = {}
-        if needed is not None and self._needs_calibration():
+        if calibrate and needed is not None and self._needs_calibration():
             self.calibrate(atlas.calibration)
 
     def _needs_calibration(self) -> bool:
