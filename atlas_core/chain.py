@@ -95,6 +95,9 @@ def load_delta(path: str | Path, atlas_for: Callable[[str], Atlas | None]) -> De
         raise IntegrityError(f"{manifest_file}: unreadable manifest ({e})") from e
     if manifest.get("kind") == "weight-lora":
         return FrozenLoRA.load(path)
+    if manifest.get("kind") == "toplora":  # not mergeable: applied by its own frozen form
+        from .train.baselines.toplora import FrozenTopLoRA
+        return FrozenTopLoRA.load(path)
     atlas_sha = manifest.get("atlas_sha256")
     return load_adapter(path, atlas_for(atlas_sha) if atlas_sha else None)
 

@@ -72,12 +72,17 @@ class WeightLoRA:
         self.lora.lora_B[_ADAPTER_NAME].float()
         self.lora_A = self.lora.lora_A[_ADAPTER_NAME].weight  # (r, d_in)
         self.lora_B = self.lora.lora_B[_ADAPTER_NAME].weight  # (d_out, r)
-        with torch.no_grad():
-            self._init_factors(torch.Generator().manual_seed(seed))
         for p in model.parameters():  # PEFT may touch flags; only the LoRA factors train
             p.requires_grad_(False)
         self.lora_A.requires_grad_(True)
         self.lora_B.requires_grad_(True)
+        try:
+            with torch.no_grad():
+                self._init_factors(torch.Generator().manual_seed(seed))
+                self._setup()
+        except BaseException:
+            self.remove()  # a refused config leaves the model as it was
+            raise
 
     # ------------------------------------------------------------------ what a baseline overrides
     def _peft_options(self) -> dict:
@@ -86,6 +91,9 @@ class WeightLoRA:
 
     def _before_inject(self, model: nn.Module, config) -> None:
         """Runs before PEFT wraps the projection (CorDA's preprocessing)."""
+
+    def _setup(self) -> None:
+        """Runs after the init: a baseline's fixed tensors and hooks (may raise: the model is restored)."""
 
     def _init_factors(self, g: torch.Generator) -> None:
         """PEFT's default init, drawn from our seed rather than the global RNG:

@@ -33,15 +33,18 @@ class CLoRA(WeightLoRA):
 
     def __init__(self, model, layer: int, rank: int, alpha: float, target: str, seed: int, lam: float = 1.0,
                  k: int | None = None):
+        self.lam, self.k = float(lam), k
         super().__init__(model, layer, rank, alpha, target, seed)
+
+    def _setup(self) -> None:
         d_out, d_in = self.base.weight.shape
-        self.k = clora_k(d_in, d_out, k)
+        self.k = clora_k(d_in, d_out, self.k)
         if not 1 <= self.k <= min(d_in, d_out):
             raise ValueError(f"clora.k: expected 1 <= k <= min(d_in, d_out) = {min(d_in, d_out)}, got {self.k}")
-        g = torch.Generator().manual_seed(seed + 1)  # not A's stream: P_A is not correlated with A's init
-        self.P_A = nn.init.orthogonal_(torch.empty(d_in, self.k), generator=g)  # (d_in, k)
-        self.P_B = nn.init.orthogonal_(torch.empty(d_out, self.k), generator=g)  # (d_out, k)
-        self.lam = float(lam)
+        g = torch.Generator().manual_seed(self.seed + 1)  # not A's stream: P_A is not correlated with A's init
+        dev = self.lora_A.device
+        self.P_A = nn.init.orthogonal_(torch.empty(d_in, self.k), generator=g).to(dev)  # (d_in, k)
+        self.P_B = nn.init.orthogonal_(torch.empty(d_out, self.k), generator=g).to(dev)  # (d_out, k)
 
     def to(self, device) -> "CLoRA":
         super().to(device)

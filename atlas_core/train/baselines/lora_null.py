@@ -34,11 +34,13 @@ class LoRANull(WeightLoRA):
         if mode not in MODES:
             raise ValueError(f"lora_null.mode: expected one of {MODES}, got {mode!r}")
         self.mode, self.stats = mode, stats
+        self._x: torch.Tensor | None = None
         super().__init__(model, layer, 2 * rank if mode == "v2" else rank, alpha, target, seed)
         self.budget_rank = rank
-        if mode == "v2":
+
+    def _setup(self) -> None:
+        if self.mode == "v2":
             self.lora_A.requires_grad_(False)
-        self._x: torch.Tensor | None = None
         self._hook(self.lora.lora_A["default"], self._keep_input)
         self._hook(self.lora.lora_B["default"], self._subtract_init)
 

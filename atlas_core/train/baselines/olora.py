@@ -34,22 +34,26 @@ class OLoRA(WeightLoRA):
 
     def __init__(self, model, layer: int, rank: int, alpha: float, target: str, seed: int, lam: float = 0.5,
                  past: str = "pca", stats: RetainedStats | None = None, past_files: Sequence[str] = ()):
-        super().__init__(model, layer, rank, alpha, target, seed)
         if past not in PAST:
             raise ValueError(f"o_lora.past: expected one of {PAST}, got {past!r}")
+        if past == "pca" and stats is None:
+            raise ValueError("o_lora.past 'pca' needs the retained statistics (stats=)")
+        if past == "files" and not past_files:
+            raise ValueError("o_lora.past 'files' needs past_files: earlier adapters' files")
+        self.lam, self.past, self.stats, self.past_files = float(lam), past, stats, list(past_files)
+        self.stats_key = stats.key if stats is not None else None
+        super().__init__(model, layer, rank, alpha, target, seed)
+
+    def _setup(self) -> None:
         d_in = self.lora_A.shape[1]
-        if past == "pca":
-            if stats is None:
-                raise ValueError("o_lora.past 'pca' needs the retained statistics (stats=)")
-            _, vecs = torch.linalg.eigh(stats.matrix("cov", self.layer, self.target, d_in))  # ascending
-            self.A_past = vecs[:, -rank:].T.flip(0).float().contiguous()  # (r, d_in): top-r, largest first
+        if self.past == "pca":
+            _, vecs = torch.linalg.eigh(self.stats.matrix("cov", self.layer, self.target, d_in))  # ascending
+            self.A_past = vecs[:, -self.rank:].T.flip(0).float().contiguous()  # (r, d_in): top-r, largest first
         else:
-            if not past_files:
-                raise ValueError("o_lora.past 'files' needs past_files: earlier adapters' files")
-            self.A_past = torch.cat([load_verified(p, kind="weight-lora")[0]["lora_A"].float() for p in past_files])
+            self.A_past = torch.cat([load_verified(p, kind="weight-lora")[0]["lora_A"].float() for p in self.past_files])
             if self.A_past.shape[1] != d_in:
                 raise ValueError(f"o_lora.past_files: their A has d_in {self.A_past.shape[1]}, this projection {d_in}")
-        self.lam, self.past, self.stats_key = float(lam), past, stats.key if stats is not None else None
+        self.A_past = self.A_past.to(self.lora_A.device)
 
     def to(self, device) -> "OLoRA":
         super().to(device)

@@ -24,11 +24,14 @@ class OPLoRA(WeightLoRA):
     method = "oplora"
 
     def __init__(self, model, layer: int, rank: int, alpha: float, target: str, seed: int, k: int = 16):
+        self.k = k
         super().__init__(model, layer, rank, alpha, target, seed)
+
+    def _setup(self) -> None:
+        k = self.k
         W = self.base_weight().double()  # (d_out, d_in)
         if not 1 <= k <= min(W.shape):
             raise ValueError(f"oplora.k: expected 1 <= k <= min(d_out, d_in) = {min(W.shape)}, got {k}")
-        self.k = k
         U, S, Vh = torch.linalg.svd(W, full_matrices=False)
         self.U_k = U[:, :k].float().contiguous()  # (d_out, k)
         self.V_k = Vh[:k].T.float().contiguous()  # (d_in, k)

@@ -55,7 +55,9 @@ class TopLoRA(WeightLoRA):
     def __init__(self, model, layer: int, rank: int, alpha: float, target: str, seed: int):
         super().__init__(model, layer, toplora_rank(rank), alpha, target, seed)
         self.budget_rank = rank
-        g = torch.Generator().manual_seed(seed + 2)  # not A's stream
+
+    def _setup(self) -> None:
+        g = torch.Generator().manual_seed(self.seed + 2)  # not A's stream
         self.gate = TokenGate(self.lora_A.shape[1], self.rank, g).to(self.lora_A.device)
         self._hook(self.lora.lora_A["default"], self._apply_gate)
 
