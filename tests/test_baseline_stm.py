@@ -50,6 +50,25 @@ def test_mask_is_exactly_f0_nll_above_ln_2_5(setup):
     assert [d.tolist() for d in drop] == [w.tolist() for w in want]
     kept, total = sum(int((~d).sum()) for d in drop), sum(len(d) for d in drop)
     assert 0 < kept < total and info["dropped"] == total - kept  # both sides of the threshold occur
+    assert ObjectiveConfig(kind="stm").stm_tau == 2.5
+    lora.remove()
+
+
+def test_f0_nll_is_exact_and_the_threshold_is_sharp(setup):
+    """f0's NLLs equal the unpadded hand computation; at a tau between any two neighbouring token
+    perplexities the mask splits them exactly there (a shifted threshold, e.g. 1.1 ln tau, fails)."""
+    model, config, data = setup
+    lora = WeightLoRA(model, layer=1, rank=4)
+    hand = hand_nll(lora.model, data.train)
+    got = stm.f0_token_nll(model, lora, data.train, None, data.pad_id, batch_size=3)  # padded batches
+    for g, h in zip(got, hand):
+        torch.testing.assert_close(g, h, rtol=0, atol=1e-4)
+    values = torch.cat(hand).sort().values
+    for lo, hi in zip(values[:-1].tolist(), values[1:].tolist()):
+        if hi - lo > 1e-3:
+            tau = math.exp((lo + hi) / 2)
+            drop = torch.cat(stm.stm_drop(hand, tau))
+            assert int(drop.sum()) == int((values > (lo + hi) / 2).sum())
     lora.remove()
 
 
