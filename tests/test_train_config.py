@@ -62,4 +62,4 @@ def test_every_hub_config_loads():
     kinds = {load_run_config(f).train.objective.kind for f in files}
     assert {"atlas", "plain", "centered", "centered-distance", "input-filter", "global-pca", "random-local",
             "shuffled-patch", "weight-lora"} <= adapters
-    assert kinds == {"ce", "replay", "output-kl"}
+    assert kinds == {"ce", "replay", "output-kl", "stm", "talr"}
