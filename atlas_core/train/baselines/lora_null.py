@@ -19,6 +19,7 @@ s (B A - B0 A0), is saved as the rank-2r factors [A; A0], [B, -B0] (v2: rank r, 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..lora import WeightLoRA
 from ..retained_stats import RetainedStats
@@ -54,8 +55,9 @@ class LoRANull(WeightLoRA):
         N = vecs[:, :r]  # (d_in, r): the least-used input directions
         U, S, Vh = torch.linalg.svd(W @ N @ N.T, full_matrices=False)
         root = (S[:r] / self.scaling).sqrt()  # (r,)
-        self.A0 = (root[:, None] * Vh[:r]).float()  # (r, d_in)
-        self.B0 = (U[:, :r] * root).float()  # (d_out, r)
+        # contiguous like PEFT's factors: the same kernels then round B0 A0 x and B A x identically
+        self.A0 = (root[:, None] * Vh[:r]).float().contiguous()  # (r, d_in)
+        self.B0 = (U[:, :r] * root).float().contiguous()  # (d_out, r)
         self.lora_A.copy_(self.A0)
         self.lora_B.copy_(self.B0)
 
@@ -69,7 +71,8 @@ class LoRANull(WeightLoRA):
 
     def _subtract_init(self, _module, _args, out):
         x, self._x = self._x, None
-        return out - (x @ self.A0.T) @ self.B0.T  # B A x - B0 A0 x, (..., d_out)
+        # B A x - B0 A0 x, (..., d_out): F.linear as PEFT's Linear layers, so the branch is exactly 0 at init
+        return out - F.linear(F.linear(x, self.A0), self.B0)
 
     def named_trainable(self):
         return [("lora_B", self.lora_B)] if self.mode == "v2" else [("lora_A", self.lora_A), ("lora_B", self.lora_B)]
