@@ -201,7 +201,22 @@ class Runner:
         return replace(rc, train=replace(rc.train, checkpoint_every_steps=every)), steps
 
     def _new_adapter(self, rc):
-        return as_adapter(build_adapter(rc, self.w.model, self.w.atlas))  # LoRA factors are fp32 (WeightLoRA)
+        stats = self._cached(("stats", rc.layer), self._retained_stats) if rc.adapter == "weight-lora" \
+            and rc.lora.needs_stats else None
+        return as_adapter(build_adapter(rc, self.w.model, self.w.atlas, stats=stats))  # LoRA factors are fp32
+
+    def _retained_stats(self):
+        """layer l's o_proj input statistics on the atlas's retained contexts (LoRA-Null, O-LoRA, CorDA-KPM):
+        computed once and stored by content (atlas_core.train.retained_stats)."""
+        import torch
+
+        from atlas_core.train.retained_stats import retained_stats
+
+        if not self.w.calibration:
+            raise ValueError("workload: a method needs retained statistics, but the workload has no calibration contexts")
+        ids = [torch.tensor(t) for t in self.w.tokenizer(self.w.calibration, add_special_tokens=False)["input_ids"]]
+        return retained_stats(self.w.model, self.config.layer, ids, backbone=self.config.backbone,
+                              cache_dir=self.state / "retained-stats")
 
     @contextmanager
     def _adapter(self, rc):

@@ -45,6 +45,7 @@ class Workload:
     answer_retained: Callable[[Any, Any], list]  # -> list[evaluation.answers.Answer]
     atlas: Any = None  # atlas_core.atlas.Atlas, for the methods that need one
     info: dict = field(default_factory=dict)  # backbone revision, atlas file, ...
+    calibration: list[str] = field(default_factory=list)  # the atlas's retained contexts (LoRA-Null, O-LoRA, CorDA)
 
 
 def heldout_pairs(limit: int) -> list[dict]:
@@ -114,6 +115,11 @@ def default_workload(config: ReproConfig, state: Path) -> Workload:
     needs_atlas = any(config.run_config(m.name, 0, 1.0).atlas is not None for m in config.methods)
     atlas = fit_or_load_atlas(config, model, tokenizer, atlas_path(config, state.parent)) if needs_atlas else None
     _, contexts = retained_contexts(tokenizer, "gsm8k", "test", limit=ev.kl_contexts)
+    spec, calibration = config.atlas, []
+    if any(rc.adapter == "weight-lora" and rc.lora.needs_stats for rc in (config.run_config(m.name, 0, 1.0)
+                                                                          for m in config.methods)):
+        _, calibration = retained_contexts(tokenizer, spec.retained, spec.split, limit=-(-spec.num_vectors // spec.per_example))
     return Workload(model, tokenizer, mbpp_pairs("train"), mbpp_pairs("validation"), heldout_pairs(ev.heldout_limit),
                     contexts, score_target, answer_retained, atlas,
-                    info={"backbone": backbone.name, "revision": backbone.revision, "dtype": config.dtype})
+                    info={"backbone": backbone.name, "revision": backbone.revision, "dtype": config.dtype},
+                    calibration=calibration)
