@@ -73,10 +73,14 @@ def lora_factors(chain: Chain) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """module name -> (A (R, d_in), B (d_out, R)) with B A = the sum of the chain's LoRA updates there."""
     stacks: dict[str, tuple[list, list]] = {}
     for i, delta in enumerate(chain.deltas, start=1):
-        if not isinstance(delta, FrozenLoRA):
+        if isinstance(delta, AtlasResidual):
             raise ValueError(f"delta {i} of the chain is an ATLAS residual: it is input-conditioned (routed by h), "
                              "so it is no LoRA and folds into no weight; export it with --format peft (the ATLAS "
                              "PEFT method) or --format folder")
+        if not isinstance(delta, FrozenLoRA):
+            raise ValueError(f"delta {i} of the chain is a {getattr(delta, 'kind', type(delta).__name__)} delta, "
+                             "which is no plain LoRA (e.g. TopLoRA's token-wise gate) and folds into no weight; "
+                             "export it with --format folder")
         a_list, b_list = stacks.setdefault(delta.module_name, ([], []))
         a_list.append(delta.lora_A.float())
         b_list.append(delta.lora_B.float() * delta.scaling)

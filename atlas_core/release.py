@@ -53,11 +53,18 @@ class LoadedRelease:
     def detach(self) -> None:
         """Remove the chain's hooks: the model is the plain backbone again, bit-identical."""
         self._stack.close()
+        self.model.__dict__.pop(_HOOKS, None)
 
     def attach(self) -> None:
         """Attach the chain (again); `load_folder` returns the release attached."""
         self._stack = ExitStack()
         self._stack.enter_context(self.chain.attached(self.model))
+        # The hooks live as long as the model, not as long as this object: the chain's context
+        # managers would remove them when this object is collected (`m = load_folder(...).model`).
+        self.model.__dict__[_HOOKS] = self._stack
+
+
+_HOOKS = "_atlas_release_hooks"
 
 
 def read_manifest(folder: str | Path) -> dict:

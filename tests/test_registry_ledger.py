@@ -81,6 +81,17 @@ def test_lineage_records_are_idempotent(ledger, store):
     assert r.ensure_model(ledger, bb, "mbpp").id == version.model_id
 
 
+def test_backbone_weights_are_recorded_once_and_other_weights_refused(ledger):
+    weights, other = "a" * 64, "b" * 64
+    first = r.ensure_backbone(ledger, "bb-weights", "rev-1")  # before any cycle recorded them
+    assert r.ensure_backbone(ledger, "bb-weights", "rev-1", weights) == first
+    assert r.ensure_backbone(ledger, "bb-weights", "rev-1", weights) == first
+    with pytest.raises(r.LedgerError, match=f"weights have sha256 {other}, the ledger recorded {weights}"):
+        r.ensure_backbone(ledger, "bb-weights", "rev-1", other)
+    with pytest.raises(ValueError, match="weights_sha256: expected 64"):
+        r.ensure_backbone(ledger, "bb-weights", "rev-1", "not-a-hash")
+
+
 def test_bad_input_names_the_field(ledger, store):
     bb = r.ensure_backbone(ledger, "m", "r")
     with pytest.raises(ValueError, match="dataset gsm8k/test sha256"):

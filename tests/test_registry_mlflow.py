@@ -78,16 +78,16 @@ def test_champion_download_has_the_ledger_files(ledger, store, bridge, mlflow_co
     folder = Path(mlflow.artifacts.download_artifacts(f"models:/{v1.model_name}@champion",
                                                       dst_path=str(tmp_path / "dl")))
     sha = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
-    assert sha(folder / "adapter.safetensors") == v1.adapter_sha256
-    assert sha(folder / "atlas.safetensors") == v1.atlas_sha256
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["ledger_version_id"] == v1.id and manifest["line"] == "gsm8k"
-    assert [d["adapter_sha256"] for d in manifest["chain"]] == [v1.adapter_sha256]
-    assert manifest["files"]["adapter.safetensors"]["sha256"] == v1.adapter_sha256
+    assert manifest["ledger_version_id"] == v1.id and manifest["line"] == "gsm8k" and manifest["format"] == 2
+    assert manifest["backbone"] == {"name": v1.backbone, "revision": "rev-1", "weights_sha256": None}
+    (entry,) = manifest["chain"]  # the release folder holds every delta of the chain and its atlas
+    assert entry["adapter_sha256"] == v1.adapter_sha256 and sha(folder / entry["adapter"]) == v1.adapter_sha256
+    assert entry["atlas_sha256"] == v1.atlas_sha256 and sha(folder / entry["atlas"]) == v1.atlas_sha256
     answers = [json.loads(line) for line in (folder / "answers.jsonl").read_text().splitlines()]
     assert answers == [{"dataset": "gsm8k", "question_id": "q1", "answer": "1", "correct": False}]
     again = bridge.download_version(v1.model_name, "champion", tmp_path / "dl2")
-    assert sha(again / "adapter.safetensors") == v1.adapter_sha256
+    assert sha(again / entry["adapter"]) == v1.adapter_sha256
 
 
 def test_publish_refuses_a_corrupted_adapter(ledger, store, bridge):

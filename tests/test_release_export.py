@@ -83,6 +83,16 @@ def test_a_loaded_release_is_the_platforms_adapted_model(tmp_path, kinds):
     assert all(not m._forward_hooks for m in release.model.modules())
 
 
+def test_the_chain_stays_attached_as_long_as_the_model_lives(tmp_path):
+    import gc
+
+    folder, ids = write_release(tmp_path, ("atlas", "lora")), _ids()
+    model = load_folder(folder, dtype="float32", backbone_loader=load_model).model  # the release object is dropped
+    gc.collect()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, platform_logits(folder, ids), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("target", ["delta", "delta-manifest", "atlas", "atlas-manifest"])
 def test_a_flipped_byte_anywhere_in_the_chain_is_rejected_with_file_and_hash(tmp_path, target):
     folder = write_release(tmp_path, ("atlas", "lora"))
