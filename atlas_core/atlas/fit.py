@@ -30,11 +30,13 @@ def kmeans_plus_plus(x: torch.Tensor, k: int, restarts: int, generator: torch.Ge
     """
     n = x.shape[0]
     trials = 2 + int(math.log(k))
-    rows = torch.arange(restarts)
-    chosen = torch.randint(n, (restarts, 1), generator=generator)  # (R, 1)
+    # The random draws use the CPU generator and move to x's device: same seeds on every device.
+    rows = torch.arange(restarts, device=x.device)
+    chosen = torch.randint(n, (restarts, 1), generator=generator).to(x.device)  # (R, 1)
     closest = (x_sq[chosen] - 2.0 * (x[chosen[:, 0]] @ x.T)[:, None] + x_sq).clamp_min_(0.0)[:, 0]  # (R, N)
     for _ in range(1, k):
-        candidates = torch.multinomial(closest + 1e-12, trials, replacement=True, generator=generator)  # (R, T)
+        candidates = torch.multinomial(closest.cpu() + 1e-12, trials, replacement=True,
+                                       generator=generator).to(x.device)  # (R, T)
         dots = (x[candidates.flatten()] @ x.T).view(restarts, trials, n)
         d_cand = (x_sq[candidates][:, :, None] - 2.0 * dots + x_sq).clamp_min_(0.0)  # (R, T, N)
         d_cand = torch.minimum(closest[:, None, :], d_cand)
@@ -57,17 +59,18 @@ def kmeans(x: torch.Tensor, k: int, seed: int = 0, max_iter: int = 100, restarts
     generator = torch.Generator().manual_seed(seed)
     x_sq = (x * x).sum(1)
     # Seed on a subsample: seeding reads the data once per chart, Lloyd then refines on all of it.
-    sub = torch.randperm(n, generator=generator)[: max(_SEEDING_SAMPLE, 32 * k)]
+    sub = torch.randperm(n, generator=generator)[: max(_SEEDING_SAMPLE, 32 * k)].to(x.device)
     centers = x[sub[kmeans_plus_plus(x[sub], k, restarts, generator, x_sq[sub]).flatten()]]  # (R*K, d)
-    offset = (torch.arange(restarts) * k)[None, :]  # run r owns rows r*K .. r*K+K-1
-    labels = torch.full((n, restarts), -1, dtype=torch.long)
+    offset = (torch.arange(restarts, device=x.device) * k)[None, :]  # run r owns rows r*K .. r*K+K-1
+    labels = torch.full((n, restarts), -1, dtype=torch.long, device=x.device)
     for _ in range(max_iter):
         dist = sq_distances(x, centers, x_sq).view(n, restarts, k)
         new_labels = dist.argmin(-1)  # (N, R)
         if torch.equal(new_labels, labels):
             break
         labels = new_labels
-        members = torch.zeros(n, restarts * k, dtype=x.dtype).scatter_(1, labels + offset, 1.0)  # (N, R*K) one-hot
+        members = torch.zeros(n, restarts * k, dtype=x.dtype, device=x.device)  # (N, R*K) one-hot
+        members.scatter_(1, labels + offset, 1.0)
         counts = members.sum(0)
         centers = (members.T @ x) / counts.clamp_min(1)[:, None]  # member means, one GEMM for all runs
         empty = (counts == 0).nonzero().flatten()
@@ -98,7 +101,7 @@ def local_pca(members: torch.Tensor, center: torch.Tensor, m: int, generator: to
     evals, evecs = evals.flip(0)[:m], evecs.flip(1)[:, :m]
     # Eigenvalues below fp32 round-off of the largest are noise, not directions.
     keep = evals > evals.max().clamp_min(1e-30) * 1e-5 if len(evals) else evals.bool()
-    sigma = torch.zeros(m, dtype=members.dtype)
+    sigma = torch.zeros(m, dtype=members.dtype, device=members.device)
     sigma[: int(keep.sum())] = evals[keep].sqrt().to(members.dtype)
     basis = (offsets.T @ evecs[:, keep] / evals[keep].sqrt()).to(members.dtype)  # (d, rank) orthonormal
     if basis.shape[1] < m:
@@ -108,7 +111,7 @@ def local_pca(members: torch.Tensor, center: torch.Tensor, m: int, generator: to
 
 def _complete_basis(basis: torch.Tensor, m: int, generator: torch.Generator) -> torch.Tensor:
     d = basis.shape[0]
-    filler = torch.randn(d, m - basis.shape[1], generator=generator, dtype=basis.dtype)
+    filler = torch.randn(d, m - basis.shape[1], generator=generator, dtype=basis.dtype).to(basis.device)
     q, _ = torch.linalg.qr(torch.cat([basis, filler], 1))
     # QR keeps span(basis) in the first columns; restore their exact values and signs.
     return torch.cat([basis, q[:, basis.shape[1]:]], 1)
@@ -132,13 +135,13 @@ def fit_atlas(x: torch.Tensor, config: AtlasConfig, meta: dict | None = None) ->
         raise ValueError(f"rank: expected at most d={x.shape[1]} directions per chart, got {m}")
     generator = torch.Generator().manual_seed(config.seed + 1)
     centers, labels, inertia = kmeans(x, k, config.seed, config.max_iter, config.restarts) if k > 1 else (
-        x.mean(0, keepdim=True), torch.zeros(len(x), dtype=torch.long), 0.0)
+        x.mean(0, keepdim=True), torch.zeros(len(x), dtype=torch.long, device=x.device), 0.0)
     dist = sq_distances(x, centers)
     if k == 1:
         inertia = float(dist.sum())
 
     if config.variant == "random-local":
-        bases, sigma = random_bases(k, x.shape[1], m, generator), torch.zeros(k, m)
+        bases, sigma = random_bases(k, x.shape[1], m, generator).to(x.device), torch.zeros(k, m, device=x.device)
     else:
         if config.equal_support:
             support = dist.topk(min(config.equal_support, len(x)), dim=0, largest=False).indices.T  # (K, S)

@@ -80,7 +80,9 @@ class AtlasResidual(nn.Module):
         Rebuilt on every call while A or B train (they carry gradients); cached otherwise,
         which is what keeps decoding cheap.
         """
-        key = (self.A._version, self.B._version, dtype)
+        # The device too: module.to() keeps A's version, and a cache from before a move would
+        # leave CPU operands in a CUDA forward.
+        key = (self.A._version, self.B._version, dtype, self.A.device)
         if self._cache.get("key") == key and not (torch.is_grad_enabled() and self.A.requires_grad):
             return self._cache
         a, b = self.A.to(dtype), self.B.to(dtype)
