@@ -18,6 +18,7 @@ from evaluation.answers import ANSWER_GIVEN, Answer, score_gsm8k
 from evaluation.choice import choose
 from evaluation.data import load_csqa, load_gsm8k, load_mbpp_plus
 from evaluation.evalplus_score import EvalPlusResult, score_mbpp_plus
+from evaluation.timing import phase
 from evaluation.generate import extract_code, generate
 from evaluation.prompts import choice_message, code_message, math_message, render
 
@@ -49,7 +50,8 @@ def eval_mbpp_plus(
     # The closing fence ends the answer: what follows (explanations, usage) is never scored.
     completions = generate(model, tokenizer, prompts, max_new_tokens, batch_size, stop=("\n```\n",), desc="MBPP+")
     solutions = {p["task_id"]: extract_code(c, p["entry_point"]) for p, c in zip(problems, completions)}
-    result = score_mbpp_plus(solutions, results_path=results_path)
+    with phase("EvalPlus (within answers of its set)"):
+        result = score_mbpp_plus(solutions, results_path=results_path)
     return CodeEval(result, dict(zip(problems["task_id"], completions)))
 
 

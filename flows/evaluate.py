@@ -67,11 +67,12 @@ def question_ids(ctx: CycleContext, kind: str) -> list[str]:
 
 def _generate(ctx: CycleContext, applied: Applied, kind: str) -> dict[str, tuple[str | None, bool]]:
     from evaluation.tasks import eval_csqa_choice, eval_gsm8k
+    from evaluation.timing import phase
 
     from .runtime import applied_on, backbone
 
     tokenizer, r = backbone(ctx.backbone).tokenizer, ctx.config.retained
-    with applied_on(ctx, applied) as model:
+    with applied_on(ctx, applied) as model, phase(f"answers {kind}" + (" (choice)" if kind == "csqa" else "")):
         if kind == "target" or kind.startswith(SKILL):
             scored = scorer_for(ctx, kind).score(model, tokenizer)
             return {q: (ps.answer, ps.correct) for q, ps in scored.items()}

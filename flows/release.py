@@ -14,6 +14,7 @@ from typing import Optional
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from evaluation.timing import phase
 from registry import GateCheckRecord, ReleaseInfo
 
 from .cycle import CycleContext
@@ -59,8 +60,9 @@ def publish(version_id: int) -> str:
     from .runtime import platform
 
     p = platform()
-    number = publish_version(p.ledger, p.store, p.bridge, version_id, pyfunc_model())
-    sync_version_tags(p.ledger, p.bridge, version_id)
+    with phase("publish (MLflow model versions)"):
+        number = publish_version(p.ledger, p.store, p.bridge, version_id, pyfunc_model())
+        sync_version_tags(p.ledger, p.bridge, version_id)
     return number
 
 

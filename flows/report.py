@@ -78,10 +78,17 @@ def timing_table(phases: dict[str, float]) -> list[str]:
     return ["| phase | wall s | share |", "|---|---|---|", *rows, f"| **total** | **{total:.1f}** | |"]
 
 
+def step_table(steps: dict[str, float]) -> list[str]:
+    """Wall seconds of the steps inside the stages (evaluation.timing), summed over the cycle."""
+    return ["| step | wall s |", "|---|---|", *(f"| {name} | {sec:.1f} |" for name, sec in steps.items())]
+
+
 def write_report(folder: Path, header: dict, outcome_text: str, candidates: list[CandidateMetrics], outcome,
-                 comparison_md: str | None, where: list[str], history=None, phases: dict[str, float] | None = None) -> Path:
+                 comparison_md: str | None, where: list[str], history=None, phases: dict[str, float] | None = None,
+                 steps: dict[str, float] | None = None) -> Path:
     """`history`: the line's flows.history.LineHistory after the cycle (None: no release yet);
-    `phases`: wall seconds per phase until the report (flows.update.run_cycle)."""
+    `phases`: wall seconds per stage until the report (flows.update.run_cycle); `steps`: the steps
+    inside them (evaluation.timing)."""
     from registry import atomic_write_text
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -104,6 +111,10 @@ def write_report(folder: Path, header: dict, outcome_text: str, candidates: list
         lines += ["", "## Comparison with the champion", "", comparison_md]
     if phases:
         lines += ["", "## Where the time went", ""] + timing_table(phases)
+    if steps:
+        lines += ["", "Inside the stages, summed over the cycle (the champion's and the base's answers are "
+                  "generated once, with the first candidate; answers of a set include its scoring):", ""]
+        lines += step_table(steps)
     if images:
         lines += ["", "## Plots", ""] + [f"![{name[:-4]}]({name})" for name in images]
     lines += ["", "## Where to look", ""] + [f"- {w}" for w in where]

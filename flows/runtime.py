@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from evaluation.timing import phase
+
 _memo: dict[tuple, object] = {}
 _depth = 0
 
@@ -77,7 +79,11 @@ def load_backbone(name: str, dtype: str):
     """The loaded backbone (flows.components.load_model); also found later by its resolved dtype."""
     from .components import load_model
 
-    bb = _cached(("backbone", name, dtype), lambda: load_model(name, dtype))
+    def build():
+        with phase("backbone load"):
+            return load_model(name, dtype)
+
+    bb = _cached(("backbone", name, dtype), build)
     _memo.setdefault(("backbone", name, bb.dtype), bb)
     return bb
 
@@ -169,7 +175,8 @@ def kl_set(ctx, member: str):
         bb = backbone(ctx.backbone)
         kl = RetainedKL(bb.model, bb.tokenizer, gate_texts(ctx, member), ctx.kl_layer,
                         max_length=ctx.config.retained.kl_max_tokens, progress=False)
-        kl.prefix()
+        with phase(f"KL {member} (prefix states)"):
+            kl.prefix()
         return kl
 
     return _cached(_kl_key(ctx, member), build)
@@ -190,9 +197,11 @@ def reference(ctx, applied, member: str) -> list:
 @torch.no_grad()
 def retained_kl(ctx, applied, ref_applied, member: str) -> float:
     """Mean KL(p_ref || p_version) in nats/token over the member's contexts."""
-    kl, ref = kl_set(ctx, member), reference(ctx, ref_applied, member)
-    with applied_on(ctx, applied):
-        return kl.kl(ref, None).mean
+    kl = kl_set(ctx, member)
+    with phase(f"KL {member}"):
+        ref = reference(ctx, ref_applied, member)
+        with applied_on(ctx, applied):
+            return kl.kl(ref, None).mean
 
 
 def resolve_applied(version):

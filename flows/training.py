@@ -114,13 +114,34 @@ def train_run(ctx: CycleContext, training_run_id: int, run_config, variant, skil
     atlas = atlas_file(ctx.atlas(variant).path) if variant else None
     record = lambda path, _: record_checkpoint_files(ctx.config.evaluate, training_run_id, path)  # noqa: E731
     with applied_on(ctx, ctx.champion) as model:  # the parent's chain, frozen: the new delta learns on top of it
-        adapter = build_adapter(run_config, model, atlas)
+        adapter = build_adapter(run_config, model, atlas, retained_stats_for(ctx, run_config, model, tokenizer))
         try:
             summary = train(model, adapter, data, tc, run_dir, resume=True, on_checkpoint=record)
         finally:
             if hasattr(adapter, "remove"):  # Weight-LoRA lives inside the model; take it out again
                 adapter.remove()
     return summary.checkpoints
+
+
+def retained_stats_for(ctx: CycleContext, run_config, model, tokenizer):
+    """The retained o_proj statistics a baseline needs (LoRA-Null, O-LoRA, CorDA-KPM), on the
+    champion over the atlas's calibration contexts; None for methods that need none."""
+    import torch
+    from atlas_core.train.retained_stats import retained_stats
+
+    from .refresh import atlas_plan
+    from .retained import calibration_texts
+    from .runtime import platform
+
+    lora = run_config.lora
+    if run_config.adapter != "weight-lora" or not lora.needs_stats or lora.stats is not None:
+        return None
+    plan = atlas_plan(ctx, "local")  # the same contexts, per member, as the atlas's calibration
+    texts = [t for m, info in plan["data"].items() for t in calibration_texts(ctx, m, info["examples"])]
+    seqs = [torch.tensor(tokenizer(t, truncation=True, max_length=ctx.config.retained.kl_max_tokens)["input_ids"])
+            for t in texts]
+    return retained_stats(model, ctx.layer, seqs, backbone=ctx.backbone.name,
+                          cache_dir=platform().state / "retained-stats")
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
@@ -164,6 +185,7 @@ def planned_runs(ctx: CycleContext, skill: SkillSet) -> list[tuple[str, int, obj
 def train_skill(ctx: CycleContext) -> list[int]:
     """Train the candidates the policy lists (method x seed) on top of the champion; returns the
     ids of their active candidate versions (retired ones are never candidates again)."""
+    from evaluation.timing import phase
     from registry import ensure_dataset, get_version
 
     from .runtime import ledger, platform
@@ -180,7 +202,8 @@ def train_skill(ctx: CycleContext) -> list[int]:
             checkpoints = []
         else:
             try:
-                checkpoints = train_run(ctx, run_id, run_config, variant, skill, run_dir)
+                with phase(f"train {method} s{seed}"):
+                    checkpoints = train_run(ctx, run_id, run_config, variant, skill, run_dir)
             except BaseException:  # shown FAILED until a rerun resumes it from its last checkpoint
                 end_training_run(run_id, "failed")
                 raise

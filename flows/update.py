@@ -149,7 +149,7 @@ def line_after(model_id: int, promoted: bool):
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3, retry_condition_fn=transient_only)
 def publish_report(ctx: CycleContext, candidates: list[CandidateMetrics], outcome: GateOutcome,
-                   release: Optional[ReleaseInfo], phases: dict[str, float]) -> str:
+                   release: Optional[ReleaseInfo], phases: dict[str, float], steps: dict[str, float]) -> str:
     """Write the report, then publish it as a Prefect artifact and as an MLflow run's artifacts."""
     from registry import compare_versions
 
@@ -170,13 +170,14 @@ def publish_report(ctx: CycleContext, candidates: list[CandidateMetrics], outcom
              f"Explain a verdict: `atlas gate --explain VERSION --model {model.name}`"]
     text = outcome_text(ctx, outcome, release, candidates)
     history = line_after(model.id, release is not None)
-    path = write_report(folder, header, text, candidates, outcome, comparison, where, history, phases)
+    path = write_report(folder, header, text, candidates, outcome, comparison, where, history, phases, steps)
     create_markdown_artifact(key="update-report", markdown=path.read_text(), description=f"{model.name}: {text[:200]}")
     run_id = p.bridge.start_run(model.backbone, model.line, f"update-cycle-{folder.name}",
                                 {"policy": ctx.policy.label, "config": ctx.config.name,
                                  "flow_run_id": ctx.flow_run_id or "-"}, tags={"kind": "update-cycle"})
     p.bridge.log_folder(run_id, folder, "report")
-    p.bridge.log_metrics(run_id, {f"seconds/{phase_key(k)}": v for k, v in phases.items()}, 0)
+    p.bridge.log_metrics(run_id, {f"seconds/{phase_key(k)}": v for k, v in phases.items()}
+                         | {f"seconds/step/{phase_key(k)}": v for k, v in steps.items()}, 0)
     p.bridge.end_run(run_id)
     return str(path)
 
@@ -202,6 +203,8 @@ def update(config: str = DEFAULT_CONFIG, policy: str = DEFAULT_POLICY, backbone:
     config's fields. Outcome: promoted | rejected | not-promoted (lost a race) | idle."""
     from prefect.runtime import flow_run
 
+    from evaluation.timing import take as take_steps
+
     from .config import load_update_config
     from .policy import load_policy
     from .runtime import session
@@ -211,6 +214,7 @@ def update(config: str = DEFAULT_CONFIG, policy: str = DEFAULT_POLICY, backbone:
         cfg = replace(cfg, data=replace(cfg.data, source=snapshot))
     with session():
         clock = _Clock()
+        take_steps()  # the step table starts with this cycle
         ctx = resolve_lineage(cfg, load_policy(policy, cfg.domain_names), flow_run.id)
         clock.lap("lineage (backbone, ledger, champion chain)")
         return run_cycle(ctx, clock)
@@ -244,6 +248,8 @@ def run_cycle(ctx: CycleContext, clock: Optional[_Clock] = None) -> dict:
     from .refresh import refresh_atlas
     from .release import gate, promote
     from .runtime import ledger, platform
+    from evaluation.timing import take as take_steps
+
     from .skills import skill_set
     from .training import planned_runs, train_skill
 
@@ -279,7 +285,8 @@ def run_cycle(ctx: CycleContext, clock: Optional[_Clock] = None) -> dict:
                                          f"(champion {s.champion_score:g}) on top of {champion.name}; lowest retained KL",
                           ctx.flow_run_id)
         clock.lap("promote")
-    report = publish_report(ctx, candidates, outcome, release, clock.phases)
+    steps = take_steps()
+    report = publish_report(ctx, candidates, outcome, release, clock.phases, steps)
     get_run_logger().info(f"report: {report}")
     new_champion = alias_holder(ledger(), ctx.model.id) or ctx.base.version
     result = "promoted" if release is not None else "not-promoted" if outcome.selected is not None else "rejected"
@@ -287,4 +294,4 @@ def run_cycle(ctx: CycleContext, clock: Optional[_Clock] = None) -> dict:
             "champion": new_champion.name, "previous_champion": champion.name,
             "selected": outcome.selected.name if outcome.selected else None,
             "candidates": {c.name: outcome.verdict(c.version_id) for c in candidates}, "report": report,
-            "seconds": dict(clock.phases), "state": str(platform().state)}
+            "seconds": dict(clock.phases), "steps": steps, "state": str(platform().state)}

@@ -44,6 +44,12 @@ def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle
     assert all(v >= 0 for v in seconds.values()) and seconds["training"] > 0
     timing = Path(first["report"]).read_text().split("## Where the time went")[1]
     assert "| training |" in timing and f"| **total** | **{sum(seconds.values()):.1f}** |" in timing
+    steps = first["steps"]  # the steps inside the stages: each answer set, KL per domain, training per candidate
+    assert {"backbone load", "train atlas s0", "train weight-lora s0", "answers target", "answers gsm8k",
+            "answers csqa (choice)", "KL gsm8k", "KL csqa", "KL gsm8k (prefix states)",
+            "publish (MLflow model versions)"} <= set(steps), steps
+    assert all(v >= 0 for v in steps.values()) and steps["train atlas s0"] <= seconds["training"]
+    assert "| answers gsm8k |" in timing and "| KL csqa |" in timing
     p = _platform()
     try:
         model = get_model(p.ledger, first["model"])
@@ -77,7 +83,7 @@ def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle
         client = p.bridge.client
         cycle_runs = client.search_runs([e.experiment_id for e in client.search_experiments()], "tags.kind = 'update-cycle'")
         logged = {k for r in cycle_runs for k in r.data.metrics}  # the cycle runs carry their phase timings
-        assert {"seconds/training", "seconds/gate", "seconds/promote"} <= logged
+        assert {"seconds/training", "seconds/gate", "seconds/promote", "seconds/step/KL_csqa"} <= logged
     finally:
         p.close()
     after = ledger_counts(state)
