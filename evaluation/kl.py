@@ -80,6 +80,16 @@ class RetainedKL:
                             for ids, mask in tqdm(self.batches, desc="KL prefix cache", disable=not self.progress)]
         return self._prefix
 
+    def use_prefix(self, states: list[torch.Tensor]) -> None:
+        """Adopt prefix states computed before (e.g. stored on disk) for these same contexts."""
+        if len(states) != len(self.batches):
+            raise ValueError(f"prefix states: expected {len(self.batches)} batches, got {len(states)}")
+        for (ids, _), h in zip(self.batches, states):
+            if h.ndim != 3 or tuple(h.shape[:2]) != tuple(ids.shape):
+                raise ValueError(f"prefix states: expected a batch of shape {tuple(ids.shape)} x d, got {tuple(h.shape)}")
+        dev = self._device()
+        self._prefix = [h.to(dev) for h in states]
+
     def cache_bytes(self) -> int:
         """Memory held by the prefix cache (the reference cache holds the same again)."""
         return sum(h.numel() * h.element_size() for h in self._prefix or [])
@@ -107,15 +117,27 @@ class RetainedKL:
     def kl(self, reference: list[torch.Tensor], residual: AtlasResidual | None = None) -> KLResult:
         """Mean KL(p_ref || p_model) where the model is the backbone with `residual` attached
         at the prefix layer (None: the backbone as it is, e.g. with LoRA injected above)."""
-        if len(reference) != len(self.batches):
-            raise ValueError(f"reference: expected {len(self.batches)} batches, got {len(reference)}")
-        per_context = torch.zeros(len(self.order))
-        total, row = 0.0, 0
+        return self.kl_many([reference], residual)[0]
+
+    @torch.no_grad()
+    def kl_many(self, references: Sequence[list[torch.Tensor]], residual: AtlasResidual | None = None) -> list[KLResult]:
+        """`kl` against several references (e.g. the base and the champion) in one pass: the
+        model's layers l+1..L, its LM head and log-softmax run once per batch for all of them,
+        and a reference given twice (the same list object) is measured once."""
+        for reference in references:
+            if len(reference) != len(self.batches):
+                raise ValueError(f"reference: expected {len(self.batches)} batches, got {len(reference)}")
+        distinct = list({id(r): r for r in references}.values())
+        per_context = [torch.zeros(len(self.order)) for _ in distinct]
+        totals, row = [0.0] * len(distinct), 0
         for i in tqdm(range(len(self.batches)), desc="KL", disable=not self.progress):
             _, mask = self.batches[i]
             logits = head_logits(self.model, self._upper(i, residual))
-            kl = kl_per_position(head_logits(self.model, reference[i]), logits).cpu() * mask  # (B, T)
-            total += float(kl.sum())
-            per_context[self.order[row : row + len(mask)]] = kl.sum(1) / mask.sum(1)
+            for j, reference in enumerate(distinct):
+                kl = kl_per_position(head_logits(self.model, reference[i]), logits).cpu() * mask  # (B, T)
+                totals[j] += float(kl.sum())
+                per_context[j][self.order[row : row + len(mask)]] = kl.sum(1) / mask.sum(1)
             row += len(mask)
-        return KLResult(mean=total / self.positions, per_context=per_context.tolist(), positions=self.positions)
+        results = {id(r): KLResult(mean=t / self.positions, per_context=p.tolist(), positions=self.positions)
+                   for r, t, p in zip(distinct, totals, per_context)}
+        return [results[id(r)] for r in references]

@@ -16,11 +16,10 @@ from pathlib import Path
 
 
 def _load(args: argparse.Namespace):
-    from .serving import load_release, release_folder
+    from .serving import load_release
 
     target, version = _target(args)
-    folder = release_folder(target, version, args.backbone)
-    return load_release(str(folder), dtype=args.dtype, device=args.device), folder
+    return load_release(target, version, dtype=args.dtype, device=args.device, backbone=args.backbone)
 
 
 def _target(args: argparse.Namespace) -> tuple[str, str]:
@@ -63,7 +62,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("give one prompt or --input FILE (not both)")
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.input)
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
-    release, _ = _load(args)
+    release = _load(args)
     print(f"[{release.name} on {release.manifest['backbone']['name']}, {len(release.chain)} delta(s)]", file=sys.stderr)
     if args.output is None and len(prompts) == 1:
         from transformers import TextStreamer
@@ -85,9 +84,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from atlas_core.export import export
+    from atlas_core.release import load_folder
+    from evaluation.tiny import load_model
 
-    release, folder = _load(args)
-    out = export(release, folder, args.format, args.out, bundle_backbone=args.bundle_backbone)
+    from .serving import release_folder
+
+    target, version = _target(args)
+    with release_folder(target, version, args.backbone) as folder:
+        release = load_folder(folder, dtype=args.dtype, device=args.device, backbone_loader=load_model)
+        if args.format == "mlflow":
+            from .pyfunc import save_pyfunc
+
+            out = save_pyfunc(release, folder, args.out, bundle_backbone=args.bundle_backbone)
+        else:
+            out = export(release, folder, args.format, args.out, bundle_backbone=args.bundle_backbone)
     print(f"{release.name} ({len(release.chain)} delta(s)) -> {out} [{args.format}]")
     return 0
 
@@ -114,8 +124,9 @@ def add_commands(sub, common: argparse.ArgumentParser, model: argparse.ArgumentP
     p = sub.add_parser("export", parents=[common, model, use], help="export a release: a PEFT adapter, merged weights "
                        "or the release folder")
     p.add_argument("version", help="champion, base, a version name, mlflow:<n>, #<id>, an MLflow model URI or a folder")
-    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument("--format", required=True, choices=(*FORMATS, "mlflow"),
+                   help="folder | peft | merged | mlflow (a pyfunc model folder for `mlflow models serve -m DIR`)")
     p.add_argument("--out", required=True, help="a new (or empty) folder")
-    p.add_argument("--bundle-backbone", action="store_true", help="folder: copy the backbone's weights in too "
-                   "(air-gapped serving)")
+    p.add_argument("--bundle-backbone", action="store_true", help="folder, mlflow: copy the backbone's weights in "
+                   "too (air-gapped serving)")
     p.set_defaults(func=cmd_export)

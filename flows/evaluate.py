@@ -134,11 +134,13 @@ def flips(reference: Answers, new: Answers) -> Flips:
 
 
 @task(cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1, retry_condition_fn=transient_only)
-def kl_against(ctx: CycleContext, applied: Applied, ref_applied: Applied) -> dict[str, float]:
-    """Retained KL(ref || version) per member of the retained set, nats/token."""
+def kl_against(ctx: CycleContext, applied: Applied, refs: list[Applied]) -> list[dict[str, float]]:
+    """Retained KL(ref || version) per member of the retained set, nats/token, for each reference
+    (the version's forward runs once for all of them)."""
     from .runtime import retained_kl
 
-    return {m: retained_kl(ctx, applied, ref_applied, m) for m in ctx.members}
+    per_member = {m: retained_kl(ctx, applied, refs, m) for m in ctx.members}
+    return [{m: values[j] for m, values in per_member.items()} for j in range(len(refs))]
 
 
 def all_answers(ctx: CycleContext, applied: Applied) -> dict[str, Answers]:
@@ -235,7 +237,7 @@ def evaluate_candidate(ctx: CycleContext, version_id: int) -> CandidateMetrics:
     target = scorer_for(ctx, "target")
     m = CandidateMetrics(version.id, version.name, version.method, version.seed, version.epoch, version.step,
                          solved(mine), len(mine["target"]), solved(champ),
-                         kl_against(ctx, applied, base), kl_against(ctx, applied, champion),
+                         *kl_against(ctx, applied, [base, champion]),
                          {k: flips(base_ans[k], mine[k]) for k in watched},
                          {k: flips(champ[k], mine[k]) for k in watched}, choice,
                          released_regressions(ctx, champ, mine),

@@ -53,6 +53,8 @@ def _prompts(model_input) -> list[str]:
         prompts = [prompts] if isinstance(prompts, str) else prompts
     else:
         prompts = [model_input] if isinstance(model_input, str) else list(model_input)
+    # {"prompt": ["a", "b"]} reaches predict as one row holding the list: take its items
+    prompts = [q for p in prompts for q in (p if isinstance(p, (list, tuple)) else [p])] if prompts else prompts
     if not prompts or not all(isinstance(p, str) for p in prompts):
         raise ValueError(f"input 'prompt': expected one or more strings, got {prompts!r}")
     return prompts
@@ -71,6 +73,28 @@ def pyfunc_model():
                                params=ParamSchema([ParamSpec(k, t, d) for k, (t, d) in SAMPLING_PARAMS.items()]))
     example = pd.DataFrame({"prompt": ["Write a Python function that returns the sum of two numbers."]})
     return PyfuncModel(ReleaseModel(), signature, example, _requirements())
+
+
+def save_pyfunc(release, source, out, bundle_backbone: bool = False):
+    """A release as a self-contained pyfunc model folder (`mlflow models serve -m out`); with
+    `bundle_backbone` the backbone's files are inside too, for a host with no model cache."""
+    import tempfile
+    from pathlib import Path
+
+    from atlas_core.export import export_folder
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out: {out} exists and is not empty; choose a new folder")
+    spec = pyfunc_model()
+    with tempfile.TemporaryDirectory(prefix="atlas-pyfunc-") as tmp:
+        folder = export_folder(release, source, Path(tmp) / "release", bundle_backbone=bundle_backbone)
+        if out.exists():
+            out.rmdir()  # save_model wants to create it
+        mlflow.pyfunc.save_model(str(out), python_model=spec.python_model, artifacts={"release": str(folder)},
+                                 signature=spec.signature, input_example=spec.input_example,
+                                 pip_requirements=spec.pip_requirements)
+    return out
 
 
 def _requirements() -> list[str]:

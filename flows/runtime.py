@@ -162,8 +162,34 @@ def gate_texts(ctx, member: str) -> list[str]:
 def _kl_key(ctx, member: str) -> tuple:
     from .config import digest
 
-    r = ctx.config.retained
-    return ("kl", ctx.backbone.name, ctx.backbone.dtype, ctx.kl_layer, r.kl_max_tokens, digest(gate_texts(ctx, member)))
+    r, bb = ctx.config.retained, ctx.backbone
+    return ("kl", bb.name, bb.revision, bb.dtype, ctx.kl_layer, r.kl_max_tokens, digest(gate_texts(ctx, member)))
+
+
+_KEEP_STATES = 32  # stored state files kept (newest first); one is ~45 MB for 128 contexts of SmolLM2 in bf16
+
+
+def _stored_states(key: tuple, build: Callable[[], list]) -> list:
+    """Hidden states (one tensor per batch) kept on disk by a digest of `key`, so that a later
+    process (the next cycle, a rerun) reads them instead of recomputing; verified when read."""
+    from atlas_core.io import IntegrityError, load_verified, save_verified
+
+    from .config import digest
+
+    folder = platform().state / "cache" / "kl-states"
+    path = folder / f"{digest([str(k) for k in key])}.safetensors"
+    if path.is_file():
+        try:
+            tensors, _ = load_verified(path, kind="kl-states")
+            return [tensors[f"batch.{i}"] for i in range(len(tensors))]
+        except IntegrityError:
+            pass  # damaged: computed again below and replaced
+    states = build()
+    save_verified(path, {f"batch.{i}": h for i, h in enumerate(states)}, {"kind": "kl-states", "key": [str(k) for k in key]})
+    for old in sorted(folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime, reverse=True)[_KEEP_STATES:]:
+        old.unlink(missing_ok=True)
+        old.with_suffix(".json").unlink(missing_ok=True)
+    return states
 
 
 def kl_set(ctx, member: str):
@@ -176,7 +202,7 @@ def kl_set(ctx, member: str):
         kl = RetainedKL(bb.model, bb.tokenizer, gate_texts(ctx, member), ctx.kl_layer,
                         max_length=ctx.config.retained.kl_max_tokens, progress=False)
         with phase(f"KL {member} (prefix states)"):
-            kl.prefix()
+            kl.use_prefix(_stored_states(("prefix", *_kl_key(ctx, member)), kl.prefix))
         return kl
 
     return _cached(_kl_key(ctx, member), build)
@@ -187,21 +213,25 @@ def reference(ctx, applied, member: str) -> list:
     """The version's final hidden states on a member's contexts (a KL reference)."""
     kl = kl_set(ctx, member)
 
+    key = ("reference", *_kl_key(ctx, member), *(v.adapter_sha256 for v in applied.deltas))
+
     def build():
         with applied_on(ctx, applied):
             return kl.reference(None)
 
-    return _cached(("reference", _kl_key(ctx, member), tuple(v.adapter_sha256 for v in applied.deltas)), build)
+    dev = next(kl.model.parameters()).device
+    return _cached(key, lambda: [h.to(dev) for h in _stored_states(key, build)])
 
 
 @torch.no_grad()
-def retained_kl(ctx, applied, ref_applied, member: str) -> float:
-    """Mean KL(p_ref || p_version) in nats/token over the member's contexts."""
+def retained_kl(ctx, applied, ref_applied: list, member: str) -> list[float]:
+    """Mean KL(p_ref || p_version) in nats/token over the member's contexts, for each reference
+    version in `ref_applied` (one pass over the version; equal references measured once)."""
     kl = kl_set(ctx, member)
     with phase(f"KL {member}"):
-        ref = reference(ctx, ref_applied, member)
+        refs = [reference(ctx, r, member) for r in ref_applied]
         with applied_on(ctx, applied):
-            return kl.kl(ref, None).mean
+            return [r.mean for r in kl.kl_many(refs, None)]
 
 
 def resolve_applied(version):

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 
 _URI_SCHEMES = ("models:/", "runs:/", "mlflow-artifacts:/", "file:/")
@@ -35,23 +37,40 @@ def load_release(line_or_model: str, version: str = "champion", *, dtype="auto",
     from atlas_core.release import load_folder
     from evaluation.tiny import load_model
 
-    folder = release_folder(line_or_model, version, backbone)
-    return load_folder(folder, dtype=dtype, device=device, backbone_loader=load_model, verify_backbone=verify_backbone)
+    with release_folder(line_or_model, version, backbone) as folder:
+        return load_folder(folder, dtype=dtype, device=device, backbone_loader=load_model,
+                           verify_backbone=verify_backbone)
 
 
-def release_folder(line_or_model: str, version: str = "champion", backbone: str | None = None) -> Path:
-    """The local release folder of a version (written or downloaded once, then reused)."""
+@contextmanager
+def release_folder(line_or_model: str, version: str = "champion", backbone: str | None = None) -> Iterator[Path]:
+    """The local release folder of a version: a ledger version's is written once into the state's
+    cache and reused (and verified again on every load); an MLflow model is downloaded afresh, as
+    MLflow itself does, into a temporary folder removed when the block ends."""
     if Path(line_or_model).expanduser().is_dir():
-        return _unwrapped(Path(line_or_model).expanduser())
+        yield _unwrapped(Path(line_or_model).expanduser())
+        return
     from .platform import open_platform
 
-    p = open_platform()
+    p, tmp = open_platform(), None
     try:
         if line_or_model.startswith(_URI_SCHEMES):
-            return _unwrapped(_download(p, line_or_model))
-        return _from_ledger(p, line_or_model, version, backbone)
+            (p.state / "cache").mkdir(parents=True, exist_ok=True)
+            tmp = tempfile.TemporaryDirectory(prefix="atlas-release-", dir=p.state / "cache")
+            folder = _unwrapped(_download(p, line_or_model, Path(tmp.name)))
+        else:
+            folder = _from_ledger(p, line_or_model, version, backbone)
+    except BaseException:
+        if tmp is not None:
+            tmp.cleanup()
+        raise
     finally:
         p.close()
+    try:
+        yield folder
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
 
 
 def _unwrapped(folder: Path) -> Path:
@@ -87,11 +106,10 @@ def _from_ledger(p, line_or_model: str, version: str, backbone: str | None) -> P
     return folder
 
 
-def _download(p, uri: str) -> Path:
-    """An MLflow model (models:/<name>@<alias>, models:/<name>/<n>) or artifact URI, downloaded once per call."""
+def _download(p, uri: str, dest: Path) -> Path:
+    """An MLflow model (models:/<name>@<alias>, models:/<name>/<n>) or artifact URI, downloaded into `dest`."""
     import mlflow.artifacts
 
-    dest = Path(tempfile.mkdtemp(prefix="atlas-release-", dir=p.state / "cache"))
     if uri.startswith("models:/"):
         name, sep, ref = uri.removeprefix("models:/").rpartition("@")
         if not sep:

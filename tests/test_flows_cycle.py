@@ -108,8 +108,8 @@ def test_nan_metric_rejects_and_a_failing_task_is_retried(prefect_harness, state
 
     real_kl, real_generate, calls = runtime.retained_kl, evaluate._generate, []
 
-    def nan_for_candidates(ctx, applied, ref_applied, member):
-        return math.nan if not applied.version.is_base else real_kl(ctx, applied, ref_applied, member)
+    def nan_for_candidates(ctx, applied, refs, member):
+        return [math.nan] * len(refs) if not applied.version.is_base else real_kl(ctx, applied, refs, member)
 
     def fail_once(*args, **kwargs):
         calls.append(1)

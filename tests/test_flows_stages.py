@@ -73,6 +73,23 @@ def test_each_stage_runs_alone_on_the_values_of_the_one_before(prefect_harness, 
         assert after.champion_id == release.version_id and [v.id for v in after.champion.deltas] == [release.version_id]
         assert after.champion.lowest_layer == 2 and after.kl_layer == 1 and after.base == ctx.base
 
+    # A later process reads the KL prefix states and references from disk (by content) instead of
+    # recomputing them, and measures the same KL to the last bit.
+    stored_files = sorted((state / "cache" / "kl-states").glob("*.safetensors"))
+    assert len(stored_files) == 4  # prefix states and the base's reference, for each of the two domains
+    with runtime.session():
+        from registry import get_version
+
+        candidate = runtime.resolve_applied(get_version(runtime.ledger(), versions[0]))
+        model = runtime.backbone(ctx.backbone).model
+        calls = []
+        hook = model.model.layers[0].register_forward_hook(lambda *a: calls.append(1))
+        try:
+            again = {m: runtime.retained_kl(ctx, candidate, [ctx.base], m)[0] for m in ("gsm8k", "csqa")}
+        finally:
+            hook.remove()
+        assert calls == [] and again == metrics[0].kl_vs_base
+
 
 def test_stages_validate_their_parameters(prefect_harness, state, tmp_path):
     from prefect.exceptions import ParameterTypeError

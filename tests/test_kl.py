@@ -87,6 +87,22 @@ def test_kl_against_a_released_version_and_cache_reuse(setup):
     assert kl.cache_bytes() == sum(h.numel() * 4 for h in prefix_before)
 
 
+def test_one_pass_against_several_references_equals_separate_passes(setup):
+    model, tok, atlas = setup
+    champion, candidate = residual(model, atlas, seed=2), residual(model, atlas, seed=5)
+    kl = RetainedKL(model, tok, CONTEXTS, layer=1, batch_size=2, progress=False)
+    base_ref, champ_ref = kl.reference(), kl.reference(champion)
+    separate = [kl.kl(base_ref, candidate), kl.kl(champ_ref, candidate)]
+    calls = []  # the candidate's upper layers run once per batch for both references
+    hook = model.model.layers[-1].register_forward_hook(lambda *a: calls.append(1))
+    both = kl.kl_many([base_ref, champ_ref, base_ref], candidate)  # the base given twice: measured once
+    hook.remove()
+    assert len(calls) == len(kl.batches)
+    for got, want in zip(both, [*separate, separate[0]]):
+        assert got.mean == want.mean and got.per_context == want.per_context  # the same arithmetic: bit-identical
+    assert separate[0].mean != separate[1].mean
+
+
 def test_residual_at_the_wrong_layer_is_refused(setup):
     model, tok, atlas = setup
     kl = RetainedKL(model, tok, CONTEXTS, layer=2, progress=False)

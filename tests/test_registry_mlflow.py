@@ -90,6 +90,21 @@ def test_champion_download_has_the_ledger_files(ledger, store, bridge, mlflow_co
     assert sha(again / entry["adapter"]) == v1.adapter_sha256
 
 
+def test_a_training_run_shows_running_failed_and_finished_in_mlflow(ledger, store, bridge):
+    _, (v0,) = make_candidates(ledger, store, unique_backbone(), seeds=(0,))
+    run_id = r.ensure_mlflow_run(ledger, bridge, v0.training_run_id)
+    for status in ("failed", "running", "finished"):  # failed, resumed by a rerun, then done
+        r.end_mlflow_run(ledger, bridge, v0.training_run_id, status)
+        info = bridge.client.get_run(run_id).info
+        assert info.status == status.upper()
+        if status != "running":
+            assert info.end_time is not None
+    with ledger.transaction() as s:
+        from registry.models import TrainingRun
+
+        assert s.get(TrainingRun, v0.training_run_id).status == "finished"
+
+
 def test_publish_refuses_a_corrupted_adapter(ledger, store, bridge):
     _, (v0,) = make_candidates(ledger, store, unique_backbone(), seeds=(0,))
     Path(store.path_for(v0.adapter_sha256)).write_bytes(b"bit rot")

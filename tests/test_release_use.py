@@ -99,6 +99,8 @@ def test_mlflow_pyfunc_model_generates_and_is_the_same_model(line):
     model = mlflow.pyfunc.load_model(f"models:/{MODEL}@champion")
     out = model.predict(pd.DataFrame({"prompt": ["Add two numbers.", "Hello"]}), params={"max_new_tokens": 3})
     assert list(out.columns) == ["text"] and len(out) == 2 and all(isinstance(t, str) for t in out["text"])
+    as_dict = model.predict({"prompt": ["Add two numbers.", "Hello"]}, params={"max_new_tokens": 3})
+    assert as_dict["text"].tolist() == out["text"].tolist()  # greedy: the same replies, whatever the input form
     inner = model.unwrap_python_model().release
     want = platform_logits(line["v2"], ids)
     with torch.no_grad():
@@ -212,6 +214,23 @@ def test_atlas_export_folder_loads_back_and_merged_refuses_a_residual(line, tmp_
     assert merged.returncode == 2 and "input-conditioned" in merged.stderr
     lora_only = _atlas("export", line["v1"], *common, "--format", "peft", "--out", str(tmp_path / "peft"))
     assert lora_only.returncode == 0 and json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["peft_type"] == "ATLAS"
+
+
+def test_atlas_export_mlflow_bundles_the_backbone_into_a_pyfunc_model_folder(line, tmp_path, monkeypatch):
+    import mlflow.pyfunc
+
+    monkeypatch.setenv("ATLAS_DTYPE", "float32")  # the bundled folder loads like any model folder: auto may be bf16
+
+    out = tmp_path / "served"
+    done = _atlas("export", "champion", "--backbone", "tiny-llama", "--line", "use", "--dtype", "float32",
+                  "--format", "mlflow", "--bundle-backbone", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert (out / "MLmodel").is_file() and (out / "artifacts" / "release" / "backbone" / "config.json").is_file()
+    model = mlflow.pyfunc.load_model(str(out))  # no ledger, no registry: the folder is everything
+    ids = _ids()
+    with torch.no_grad():
+        got = model.unwrap_python_model().release.model(ids).logits
+    torch.testing.assert_close(got, platform_logits(line["v2"], ids), rtol=0, atol=0)
 
 
 def _free_port() -> int:
