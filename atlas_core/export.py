@@ -23,40 +23,32 @@ import torch
 
 from .backbone import weights_folder, weights_sha256
 from .chain import Chain, FrozenLoRA
-from .io import atomic_write_json
+from .io import atomic_folder, atomic_write_json
 from .release import MANIFEST, LoadedRelease, read_manifest
 from .residual import AtlasResidual
 
 FORMATS = ("folder", "peft", "merged")
 
 
-def _fresh(out: str | Path) -> Path:
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"--out: {out} exists and is not empty; choose a new folder")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
 def export_folder(release: LoadedRelease, source: str | Path, out: str | Path, bundle_backbone: bool = False) -> Path:
     """Copy the release folder; with `bundle_backbone`, the backbone's files go under backbone/:
     its own weight files when it was loaded from a folder (so they keep the sha256 the release
     names), else (a model built in-process) saved now and recorded as `bundle_weights_sha256`."""
-    out = _fresh(out)
-    shutil.copytree(source, out, dirs_exist_ok=True)
-    if not bundle_backbone or (out / "backbone").is_dir():
-        return out
-    origin = weights_folder(release.backbone.model)
-    if origin is not None:
-        shutil.copytree(origin, out / "backbone")
-        return out
-    with detached(release):  # the saved weights must be the plain backbone's
-        release.backbone.model.save_pretrained(out / "backbone")
-    release.backbone.tokenizer.save_pretrained(out / "backbone")
-    manifest = read_manifest(out)
-    manifest["backbone"]["bundle_weights_sha256"] = weights_sha256(release.backbone.model, out / "backbone")
-    atomic_write_json(out / MANIFEST, manifest)
-    return out
+    with atomic_folder(out) as tmp:
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
+        origin = weights_folder(release.backbone.model)
+        if not bundle_backbone or (tmp / "backbone").is_dir():
+            pass
+        elif origin is not None:
+            shutil.copytree(origin, tmp / "backbone")
+        else:
+            with detached(release):  # the saved weights must be the plain backbone's
+                release.backbone.model.save_pretrained(tmp / "backbone")
+            release.backbone.tokenizer.save_pretrained(tmp / "backbone")
+            manifest = read_manifest(tmp)
+            manifest["backbone"]["bundle_weights_sha256"] = weights_sha256(release.backbone.model, tmp / "backbone")
+            atomic_write_json(tmp / MANIFEST, manifest)
+    return Path(out)
 
 
 @contextmanager
@@ -95,9 +87,9 @@ def export_peft(release: LoadedRelease, out: str | Path) -> Path:
     if kinds == {True}:
         from .residual.peft import save_atlas_adapter
 
-        out = _fresh(out)
-        save_atlas_adapter(release.chain, release.model, release.manifest["backbone"]["name"], out)
-        return out
+        with atomic_folder(out) as tmp:
+            save_atlas_adapter(release.chain, release.model, release.manifest["backbone"]["name"], tmp)
+        return Path(out)
     if kinds == {True, False}:
         raise ValueError(f"{release.name}: its chain mixes ATLAS residuals and LoRA deltas; one PEFT adapter holds "
                          "one method: export with --format folder")
@@ -110,15 +102,15 @@ def export_peft(release: LoadedRelease, out: str | Path) -> Path:
     config = LoraConfig(r=top, lora_alpha=top, target_modules=sorted(factors), lora_dropout=0.0, bias="none",
                         rank_pattern=ranks, alpha_pattern=ranks,  # scaling alpha / r = 1 on every module
                         base_model_name_or_path=release.manifest["backbone"]["name"], task_type="CAUSAL_LM")
-    out = _fresh(out)
-    config.save_pretrained(out)
     tensors = {}
     for module, (a, b) in factors.items():
         tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()  # (R, d_in)
         tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()  # (d_out, R)
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    _provenance(release, out)
-    return out
+    with atomic_folder(out) as tmp:
+        config.save_pretrained(tmp)
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        _provenance(release, tmp)
+    return Path(out)
 
 
 @torch.no_grad()
@@ -131,11 +123,11 @@ def export_merged(release: LoadedRelease, out: str | Path) -> Path:
         key = f"{module}.weight"
         w = state[key]
         state[key] = (w.float() + (b.to(w.device) @ a.to(w.device))).to(w.dtype)  # (d_out, d_in)
-    out = _fresh(out)
-    model.save_pretrained(out, state_dict=state)
-    release.tokenizer.save_pretrained(out)
-    _provenance(release, out)
-    return out
+    with atomic_folder(out) as tmp:
+        model.save_pretrained(tmp, state_dict=state)
+        release.tokenizer.save_pretrained(tmp)
+        _provenance(release, tmp)
+    return Path(out)
 
 
 def _provenance(release: LoadedRelease, out: Path) -> None:

@@ -8,9 +8,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors import SafetensorError
@@ -51,6 +53,25 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+@contextmanager
+def atomic_folder(out: str | Path) -> Iterator[Path]:
+    """A new folder at `out` (which must not exist, or be empty) that appears only whole: the block
+    writes into a hidden sibling, renamed to `out` when the block ends without an error."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out: {out} exists and is not an empty folder; choose a new folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def manifest_path(tensor_path: str | Path) -> Path:

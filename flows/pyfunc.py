@@ -82,19 +82,16 @@ def save_pyfunc(release, source, out, bundle_backbone: bool = False):
     from pathlib import Path
 
     from atlas_core.export import export_folder
+    from atlas_core.io import atomic_folder
 
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"--out: {out} exists and is not empty; choose a new folder")
     spec = pyfunc_model()
-    with tempfile.TemporaryDirectory(prefix="atlas-pyfunc-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="atlas-pyfunc-") as tmp, atomic_folder(out) as model_dir:
         folder = export_folder(release, source, Path(tmp) / "release", bundle_backbone=bundle_backbone)
-        if out.exists():
-            out.rmdir()  # save_model wants to create it
-        mlflow.pyfunc.save_model(str(out), python_model=spec.python_model, artifacts={"release": str(folder)},
+        model_dir.rmdir()  # save_model creates the folder itself
+        mlflow.pyfunc.save_model(str(model_dir), python_model=spec.python_model, artifacts={"release": str(folder)},
                                  signature=spec.signature, input_example=spec.input_example,
                                  pip_requirements=spec.pip_requirements)
-    return out
+    return Path(out)
 
 
 def _requirements() -> list[str]:

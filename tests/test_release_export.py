@@ -186,3 +186,22 @@ def test_a_bundled_folder_loads_without_the_backbone_loader(tmp_path):
     again = load_folder(out, dtype="float32", backbone_loader=no_loader)
     with torch.no_grad():
         torch.testing.assert_close(again.model(ids).logits, platform_logits(folder, ids), rtol=0, atol=0)
+
+
+def test_an_export_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    release = load_folder(write_release(tmp_path, ("lora",)), dtype="float32", backbone_loader=load_model)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("mine")
+    with pytest.raises(ValueError, match="not an empty folder"):
+        export_peft(release, tmp_path / "taken")
+    assert (tmp_path / "taken" / "x").read_text() == "mine"
+
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        export_peft(release, tmp_path / "exports" / "peft")
+    assert list((tmp_path / "exports").iterdir()) == []  # neither the folder nor a half-written temp
