@@ -169,6 +169,11 @@ def _kl_key(ctx, member: str) -> tuple:
 _KEEP_STATES = 32  # stored state files kept (newest first); one is ~45 MB for 128 contexts of SmolLM2 in bf16
 
 
+def _layout(kl) -> str:
+    """The batches' shapes: stored states are only valid for the same batching of the same tokens."""
+    return str([tuple(ids.shape) for ids, _ in kl.batches])
+
+
 def _stored_states(key: tuple, build: Callable[[], list]) -> list:
     """Hidden states (one tensor per batch) kept on disk by a digest of `key`, so that a later
     process (the next cycle, a rerun) reads them instead of recomputing; verified when read."""
@@ -202,7 +207,7 @@ def kl_set(ctx, member: str):
         kl = RetainedKL(bb.model, bb.tokenizer, gate_texts(ctx, member), ctx.kl_layer,
                         max_length=ctx.config.retained.kl_max_tokens, progress=False)
         with phase(f"KL {member} (prefix states)"):
-            kl.use_prefix(_stored_states(("prefix", *_kl_key(ctx, member)), kl.prefix))
+            kl.use_prefix(_stored_states(("prefix", *_kl_key(ctx, member), _layout(kl)), kl.prefix))
         return kl
 
     return _cached(_kl_key(ctx, member), build)
@@ -220,7 +225,7 @@ def reference(ctx, applied, member: str) -> list:
             return kl.reference(None)
 
     dev = next(kl.model.parameters()).device
-    return _cached(key, lambda: [h.to(dev) for h in _stored_states(key, build)])
+    return _cached(key, lambda: [h.to(dev) for h in _stored_states((*key, _layout(kl)), build)])
 
 
 @torch.no_grad()

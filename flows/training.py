@@ -204,7 +204,7 @@ def train_skill(ctx: CycleContext) -> list[int]:
             try:
                 with phase(f"train {method} s{seed}"):
                     checkpoints = train_run(ctx, run_id, run_config, variant, skill, run_dir)
-            except BaseException:  # shown FAILED until a rerun resumes it from its last checkpoint
+            except Exception:  # shown FAILED until a rerun resumes it from its last checkpoint
                 end_training_run(run_id, "failed")
                 raise
         versions += reconcile_checkpoints(ctx.config.evaluate, run_id, checkpoints)
