@@ -92,6 +92,15 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     )
 
 
+def decoder_layers_name(model: nn.Module) -> str:
+    """The module name of the decoder stack (e.g. 'model.layers'), to name a layer's submodules."""
+    layers = decoder_layers(model)
+    for name, module in model.named_modules():
+        if module is layers:
+            return name
+    raise ValueError("decoder layers not found among the model's modules")
+
+
 def check_layer(layers: nn.ModuleList, layer: int) -> None:
     if not 0 <= layer < len(layers):
         raise ValueError(f"layer: expected 0 <= layer < {len(layers)} (the model's decoder layers), got {layer}")

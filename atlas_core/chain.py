@@ -34,6 +34,35 @@ from .io import IntegrityError, expect_shape, load_verified
 from .residual import AtlasResidual, attach, load_adapter
 
 
+def read_lora_file(path: str | Path, kind: str, names: tuple[str, ...]) -> tuple[dict, dict]:
+    """A saved LoRA-family delta, verified: (tensors, manifest) with the manifest's module, scaling,
+    rank and layer present, every tensor of `names` present and A (rank, d_in), B (d_out, rank)."""
+    tensors, manifest = load_verified(path, kind=kind)
+    missing = [k for k in ("module", "scaling", "rank", "layer") if k not in manifest]
+    if missing:
+        raise IntegrityError(f"{path}: manifest lacks field {missing[0]!r}")
+    rank = manifest["rank"]
+    for name in names:
+        if name not in tensors:
+            raise IntegrityError(f"{path}: tensor {name!r} missing")
+    expect_shape("lora_A", tensors["lora_A"], (rank, tensors["lora_A"].shape[1]), str(path))
+    expect_shape("lora_B", tensors["lora_B"], (tensors["lora_B"].shape[0], rank), str(path))
+    return tensors, manifest
+
+
+def hooked_linear(model: nn.Module, module_name: str, shape: tuple[int, int], kind: str) -> nn.Linear:
+    """The Linear a frozen LoRA-family delta hooks: `module_name`, or the base layer of a PEFT
+    wrapper installed there since; refused unless its weight is (d_out, d_in) = `shape`."""
+    try:
+        target = model.get_submodule(module_name)
+    except AttributeError as e:
+        raise ValueError(f"{kind}: the model has no module {module_name!r} ({e})") from e
+    base = getattr(target, "base_layer", target)
+    if not isinstance(base, nn.Linear) or tuple(base.weight.shape) != tuple(shape):
+        raise ValueError(f"{kind}: {module_name} is not a Linear of shape {tuple(shape)}")
+    return base
+
+
 class FrozenLoRA:
     """A saved Weight-LoRA applied as a frozen hook: out = W x + scaling * B (A x)."""
 
@@ -47,28 +76,12 @@ class FrozenLoRA:
 
     @classmethod
     def load(cls, path: str | Path) -> "FrozenLoRA":
-        tensors, manifest = load_verified(path, kind="weight-lora")
-        try:
-            module, scaling, rank, layer = manifest["module"], manifest["scaling"], manifest["rank"], manifest["layer"]
-        except KeyError as e:
-            raise IntegrityError(f"{path}: manifest lacks field {e}") from e
-        for name in ("lora_A", "lora_B"):
-            if name not in tensors:
-                raise IntegrityError(f"{path}: tensor {name!r} missing")
-        expect_shape("lora_A", tensors["lora_A"], (rank, tensors["lora_A"].shape[1]), str(path))
-        expect_shape("lora_B", tensors["lora_B"], (tensors["lora_B"].shape[0], rank), str(path))
-        return cls(module, tensors["lora_A"], tensors["lora_B"], scaling, layer)
+        tensors, m = read_lora_file(path, "weight-lora", ("lora_A", "lora_B"))
+        return cls(m["module"], tensors["lora_A"], tensors["lora_B"], m["scaling"], m["layer"])
 
     @contextmanager
     def attached(self, model: nn.Module) -> Iterator[None]:
-        try:
-            target = model.get_submodule(self.module_name)
-        except AttributeError as e:
-            raise ValueError(f"lora: the model has no module {self.module_name!r} ({e})") from e
-        base = getattr(target, "base_layer", target)  # a PEFT wrapper installed since: hook its base Linear
-        if not isinstance(base, nn.Linear) or tuple(base.weight.shape) != (self.lora_B.shape[0], self.lora_A.shape[1]):
-            raise ValueError(f"lora: {self.module_name} is not a Linear of shape "
-                             f"{(self.lora_B.shape[0], self.lora_A.shape[1])}")
+        base = hooked_linear(model, self.module_name, (self.lora_B.shape[0], self.lora_A.shape[1]), "lora")
         dev = base.weight.device
         A, B = self.lora_A.to(dev), self.lora_B.to(dev)
 

@@ -81,6 +81,7 @@ def _unwrapped(folder: Path) -> Path:
 
 def _from_ledger(p, line_or_model: str, version: str, backbone: str | None) -> Path:
     from atlas_core.backbone import DEFAULT_BACKBONE
+    from atlas_core.io import atomic_folder
     from registry import LedgerError, get_model, model_name_for, resolve_version, write_release_folder
 
     try:
@@ -94,15 +95,9 @@ def _from_ledger(p, line_or_model: str, version: str, backbone: str | None) -> P
     v = resolve_version(p.ledger, model.id, version)
     folder = p.state / "cache" / "releases" / model.name / f"{v.name}-{v.id}"
     if not (folder / "manifest.json").is_file():  # manifest.json is written last: its presence means complete
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-        try:
+        shutil.rmtree(folder, ignore_errors=True)
+        with atomic_folder(folder) as tmp:
             write_release_folder(p.ledger, p.store, v.id, tmp)
-            shutil.rmtree(folder, ignore_errors=True)
-            tmp.rename(folder)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return folder
 
 

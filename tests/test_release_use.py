@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -123,15 +124,22 @@ def test_training_runs_end_finished_and_show_their_datasets(line):
     assert len(names) == 2 and names[0].startswith("gsm8k") and names[1].startswith("mbpp")
 
 
-def _flip(path: Path) -> bytes:
+@contextmanager
+def flipped(path: Path):
+    """`path` with one bit flipped for the block, restored after it."""
     raw = path.read_bytes()
-    flipped = bytearray(raw)
-    flipped[len(raw) // 2] ^= 0x01
-    path.write_bytes(bytes(flipped))
-    return raw
+    bad = bytearray(raw)
+    bad[len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(bad))
+    try:
+        yield
+    finally:
+        path.write_bytes(raw)
 
 
 def test_a_flipped_byte_is_rejected_on_the_ledger_and_the_mlflow_paths(line):
+    import shutil
+
     import mlflow.pyfunc
 
     from atlas_core.io import IntegrityError
@@ -142,35 +150,22 @@ def test_a_flipped_byte_is_rejected_on_the_ledger_and_the_mlflow_paths(line):
     stored = next(p for p in (line["state"] / "mlflow" / "artifacts").rglob(f"01-{line['v1']}.safetensors")
                   if f"versions/{line['v2']}/" in str(p))  # v1's delta, as the champion v2's chain holds it
     sha = json.loads(stored.with_suffix(".json").read_text())["sha256"]
-    raw = _flip(stored)
-    try:
+    with flipped(stored):
         with pytest.raises(IntegrityError, match=sha) as e:
             mlflow.pyfunc.load_model(f"models:/{MODEL}@champion")
         assert f"01-{line['v1']}.safetensors" in str(e.value)
         with pytest.raises(IntegrityError, match=sha):
             load_release(f"models:/{MODEL}@champion")
-    finally:
-        stored.write_bytes(raw)
     # The ledger: the artifact store refuses the delta while the release folder is written ...
-    import shutil
-
     shutil.rmtree(line["state"] / "cache" / "releases", ignore_errors=True)
     store_file = next(p for p in (line["state"] / "artifacts").rglob("*") if p.is_file() and p.name.startswith(sha))
-    raw = _flip(store_file)
-    try:
-        with pytest.raises(ArtifactCorruptedError, match=sha):
-            load_release(MODEL, line["v1"], dtype="float32")
-    finally:
-        store_file.write_bytes(raw)
+    with flipped(store_file), pytest.raises(ArtifactCorruptedError, match=sha):
+        load_release(MODEL, line["v1"], dtype="float32")
     # ... and a release folder already written is verified again on every load.
     load_release(MODEL, line["v1"], dtype="float32")
     cached = next((line["state"] / "cache" / "releases").rglob(f"01-{line['v1']}.safetensors"))
-    raw = _flip(cached)
-    try:
-        with pytest.raises(IntegrityError, match=sha):
-            load_release(MODEL, line["v1"], dtype="float32")
-    finally:
-        cached.write_bytes(raw)
+    with flipped(cached), pytest.raises(IntegrityError, match=sha):
+        load_release(MODEL, line["v1"], dtype="float32")
 
 
 def _atlas(*argv: str) -> subprocess.CompletedProcess:

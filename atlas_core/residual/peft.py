@@ -26,7 +26,7 @@ from peft.utils import PeftType, register_peft_method
 from torch import nn
 
 from ..atlas import Atlas
-from ..backbone import decoder_layers, layer_output, with_layer_output
+from ..backbone import decoder_layers_name, layer_output, with_layer_output
 from .config import ResidualConfig
 from .layer import AtlasResidual
 
@@ -156,11 +156,6 @@ class AtlasPeftModel(BaseTuner):
 register_peft_method(name=NAME, config_cls=AtlasPeftConfig, model_cls=AtlasPeftModel, prefix="atlas_")
 
 
-def _layers_name(model: nn.Module) -> str:
-    layers = decoder_layers(model)
-    return next(name for name, module in model.named_modules() if module is layers)
-
-
 def save_atlas_adapter(chain, model: nn.Module, base_model: str, out: str | Path) -> None:
     """A chain of residuals on `model`'s decoder layers as one PEFT adapter folder
     (adapter_config.json + adapter_model.safetensors)."""
@@ -168,7 +163,7 @@ def save_atlas_adapter(chain, model: nn.Module, base_model: str, out: str | Path
 
     specs, tensors, index = [], {}, {}
     for delta in chain.deltas:
-        module = f"{_layers_name(model)}.{delta.config.layer}"
+        module = f"{decoder_layers_name(model)}.{delta.config.layer}"
         i = index[module] = index.get(module, -1) + 1  # position among the residuals of this layer
         has_atlas = delta.config.atlas_variant is not None
         specs.append({"module": module, "config": delta.config.to_dict(), "d": delta.dim,

@@ -22,20 +22,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..backbone import check_layer, decoder_layers
+from ..backbone import check_layer, decoder_layers, decoder_layers_name
 from ..io import IntegrityError, expect_shape, load_verified, save_verified
 from .prefix_cache import full_hidden, upper_hidden
 
 LORA_FORMAT = 1
 _ADAPTER_NAME = "default"
-
-
-def _layer_prefix(model: nn.Module) -> str:
-    layers = decoder_layers(model)
-    for name, module in model.named_modules():
-        if module is layers:
-            return name
-    raise ValueError("decoder layers not found among the model's modules")
 
 
 class WeightLoRA:
@@ -51,7 +43,7 @@ class WeightLoRA:
         check_layer(layers, layer)
         self.layer, self.rank, self.alpha, self.target = layer, rank, float(alpha), target
         self.seed = seed
-        self.module_name = f"{_layer_prefix(model)}.{layer}.{target}"
+        self.module_name = f"{decoder_layers_name(model)}.{layer}.{target}"
         try:
             base = model.get_submodule(self.module_name)
         except AttributeError as e:

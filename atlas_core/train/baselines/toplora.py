@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ...io import IntegrityError, expect_shape, load_verified, save_verified
+from ...io import expect_shape, save_verified
 from ..lora import WeightLoRA
 
 TOPLORA_FORMAT = 1
@@ -99,29 +99,19 @@ class FrozenTopLoRA:
 
     @classmethod
     def load(cls, path: str | Path) -> "FrozenTopLoRA":
-        tensors, manifest = load_verified(path, kind="toplora")
-        try:
-            module, scaling, rank, layer = manifest["module"], manifest["scaling"], manifest["rank"], manifest["layer"]
-        except KeyError as e:
-            raise IntegrityError(f"{path}: manifest lacks field {e}") from e
-        for name in ("lora_A", "lora_B", "theta", "gain"):
-            if name not in tensors:
-                raise IntegrityError(f"{path}: tensor {name!r} missing")
-        d_in = tensors["lora_A"].shape[1]
-        expect_shape("lora_A", tensors["lora_A"], (rank, d_in), str(path))
+        from ...chain import read_lora_file
+
+        tensors, m = read_lora_file(path, "toplora", ("lora_A", "lora_B", "theta", "gain"))
+        d_in, rank = tensors["lora_A"].shape[1], m["rank"]
         expect_shape("theta", tensors["theta"], (d_in, rank), str(path))
         expect_shape("gain", tensors["gain"], (rank,), str(path))
-        return cls(module, tensors, scaling, layer, manifest.get("eps"))
+        return cls(m["module"], tensors, m["scaling"], m["layer"], m.get("eps"))
 
     @contextmanager
     def attached(self, model: nn.Module) -> Iterator[None]:
-        try:
-            target = model.get_submodule(self.module_name)
-        except AttributeError as e:
-            raise ValueError(f"toplora: the model has no module {self.module_name!r} ({e})") from e
-        base = getattr(target, "base_layer", target)
-        if not isinstance(base, nn.Linear) or tuple(base.weight.shape) != (self.B.shape[0], self.A.shape[1]):
-            raise ValueError(f"toplora: {self.module_name} is not a Linear of shape {(self.B.shape[0], self.A.shape[1])}")
+        from ...chain import hooked_linear
+
+        base = hooked_linear(model, self.module_name, (self.B.shape[0], self.A.shape[1]), "toplora")
         dev = base.weight.device
         A, B, theta, gain = (t.to(dev) for t in (self.A, self.B, self.theta, self.gain))
 
