@@ -45,7 +45,8 @@ def _first(rows: list, limit: int | None) -> list:
 class MbppPlusOptions:
     limit: int | None = field("First N MBPP+ test problems (null: all 224).", 16)
     max_new_tokens: int = field("Greedy generation budget per problem (it also stops at the closing code fence).", 256)
-    batch_size: int = field("Prompts per generation batch.", 8)
+    batch_size: int = field("Prompts decoded together (a finished one leaves the batch, so more cost little; "
+                            "in bf16 the batch changes the rounding, see evaluation/generate.py).", 32)
 
     def __post_init__(self) -> None:
         positive(self, "limit", "max_new_tokens", "batch_size")
@@ -76,7 +77,8 @@ class Gsm8kOptions:
     limit: int | None = field("First N questions of the split (null: all).", 16)
     max_new_tokens: int = field("Greedy generation budget per question (it also stops once 'The answer is N' is written).",
                                 192)
-    batch_size: int = field("Prompts per generation batch.", 8)
+    batch_size: int = field("Prompts decoded together (a finished one leaves the batch, so more cost little; "
+                            "in bf16 the batch changes the rounding, see evaluation/generate.py).", 32)
 
     def __post_init__(self) -> None:
         one_of("split", self.split, list(GSM8K_FILES))
@@ -142,7 +144,8 @@ class ExactMatchOptions:
                       "rows all have an answer; evaluation/userdata.py).", "")
     limit: int | None = field("First N rows of the file (null: all).", None)
     max_new_tokens: int = field("Greedy generation budget per prompt.", 64)
-    batch_size: int = field("Prompts per generation batch.", 8)
+    batch_size: int = field("Prompts decoded together (a finished one leaves the batch, so more cost little; "
+                            "in bf16 the batch changes the rounding, see evaluation/generate.py).", 32)
     checker: str = field(f"How a completion is graded, one of {CHECKERS}: 'exact' compares the whole completion with "
                          "the answer after whitespace/case normalisation; 'number' compares final numbers.", "exact")
 

@@ -67,7 +67,9 @@ class RetainedSpec:
     gsm8k_questions: int = field("GSM8K test questions answered by generation (answer churn, NFR).", 16)
     csqa_questions: int = field("CSQA validation questions answered by conditional choice (choice churn, NFR).", 64)
     max_new_tokens: int = field("Generation budget per GSM8K answer.", 192)
-    batch_size: int = field("Prompts per batch for GSM8K generation and CSQA choice.", 8)
+    batch_size: int = field("Prompts per forward batch for CSQA choice.", 8)
+    generation_batch_size: int = field("GSM8K questions decoded together (a finished one leaves the batch, so more "
+                                       "cost little; in bf16 the batch changes the rounding, see evaluation/generate.py).", 16)
     replay_examples: int = field("Retained training texts (GSM8K train) for the Replay and Output-KL objectives.", 128)
 
     def __post_init__(self) -> None:
@@ -78,7 +80,7 @@ class RetainedSpec:
         except ValueError as e:
             raise ConfigError(str(e).removeprefix("retained.")) from e
         _positive(self, "kl_contexts", "kl_max_tokens", "gsm8k_questions", "csqa_questions", "max_new_tokens", "batch_size",
-                  "replay_examples")
+                  "generation_batch_size", "replay_examples")
 
 
 @dataclass

@@ -78,7 +78,7 @@ def _generate(ctx: CycleContext, applied: Applied, kind: str) -> dict[str, tuple
             return {q: (ps.answer, ps.correct) for q, ps in scored.items()}
         if kind == "gsm8k":
             got = eval_gsm8k(model, tokenizer, limit=r.gsm8k_questions, max_new_tokens=r.max_new_tokens,
-                             batch_size=r.batch_size).answers
+                             batch_size=r.generation_batch_size).answers
         else:
             got = eval_csqa_choice(model, tokenizer, limit=r.csqa_questions, batch_size=r.batch_size).answers
     return {a.id: (a.answer, bool(a.correct)) for a in got}
