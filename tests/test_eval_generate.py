@@ -1,8 +1,8 @@
 """Prompts, batched greedy generation, code extraction and conditional choice on a tiny random Llama."""
 from __future__ import annotations
 
+import copy
 import os
-
 import re
 
 import pytest
@@ -102,6 +102,68 @@ def test_stop_after_a_pattern_ends_that_row_early(model_and_tokenizer) -> None:
     finally:
         handle.remove()
     assert len(calls) < 16
+
+
+def _previous_generate(model, tok, prompt: str, n: int, eos: list[int], stop=(), stop_after=None) -> str:
+    """The previous implementation, transformers' `generate`, one prompt at a time."""
+    from transformers import GenerationConfig
+
+    enc = tok(prompt, return_tensors="pt", add_special_tokens=tok.chat_template is None)
+    config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=tok.pad_token_id,
+                              stop_strings=list(stop) or None)
+    out = model.generate(**enc, generation_config=config, tokenizer=tok if stop else None)
+    return truncate_after(truncate_at_stop(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True),
+                                           stop), stop_after)
+
+
+def _sharp(model):
+    """A copy of the tiny model whose attention is sharp enough that positions change its argmax."""
+    sharp = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in sharp.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    return sharp
+
+
+@pytest.mark.parametrize("grow", [1, 128], ids=["cache-grows-every-step", "cache-grows-by-128"])
+def test_equals_transformers_generate_with_rows_ending_at_different_steps(model_and_tokenizer, monkeypatch, grow) -> None:
+    # Rows end by an eos id (one picked from the longest prompt's completion, so a row in the middle
+    # of a batch ends early), a stop string and a stop_after pattern; the ended rows leave the batch
+    # and the rest must decode on unchanged.
+    import evaluation.generate as g
+
+    monkeypatch.setattr(g, "_GROW", grow)
+    model, tok = _sharp(model_and_tokenizer[0]), model_and_tokenizer[1]
+    prompts = _prompts(tok) + [render(tok, math_message("How many legs have " + "two " * i + "cats?"), "math")
+                               for i in range(1, 5)]
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    free = generate(model, tok, prompts, max_new_tokens=24, batch_size=8, progress=False)
+    enc = tok(prompts[longest], return_tensors="pt", add_special_tokens=tok.chat_template is None)
+    early = int(model.generate(**enc, max_new_tokens=4, do_sample=False)[0, -1])  # its 4th new token
+    model.generation_config.eos_token_id = [tok.eos_token_id, early]
+    stop, after = free[1][5:8], re.compile(re.escape(free[2][6:9]))
+    eos = g._eos_ids(model, tok)
+    expected = [_previous_generate(model, tok, p, 24, eos, [stop], after) for p in prompts]
+    assert len(expected[longest]) < len(free[longest]) and expected[1] != free[1] and expected[2] != free[2]
+    rows: list[int] = []
+    handle = model.register_forward_hook(lambda m, args, kwargs, out: rows.append(kwargs["input_ids"].shape[0]),
+                                         with_kwargs=True)
+    try:
+        for batch_size in (1, 3, 8):
+            rows.clear()
+            got = generate(model, tok, prompts, max_new_tokens=24, batch_size=batch_size, stop=[stop],
+                           stop_after=after, progress=False)
+            assert got == expected, batch_size
+        # In the batch of 8 the ended rows left: the rows per forward fall.
+        assert rows[0] == 8 and rows[-1] < 8 and rows == sorted(rows, reverse=True)
+        # A row that meets its stop string, or an eos, ends there: fewer steps than the budget.
+        for i in (1, longest):
+            rows.clear()
+            generate(model, tok, [prompts[i]], max_new_tokens=24, stop=[stop], progress=False)
+            assert len(rows) < 24
+    finally:
+        handle.remove()
 
 
 def test_forward_hook_changes_generation(model_and_tokenizer) -> None:
