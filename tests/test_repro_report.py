@@ -29,8 +29,8 @@ def _answers(rows):
 
 @pytest.fixture
 def results(tmp_path):
-    store = ResultStore(tmp_path, "f" * 64)
-    store.write(tmp_path / "experiment.json", {"config": CONFIG})
+    store = ResultStore(tmp_path, "f" * 64, {"atlas": "a" * 64, "plain": "b" * 64})
+    store.check_experiment(CONFIG)
     store.write(store.base_path(), {"mbpp_plus": {"n": 20, "solved": 8, "base_solved": 9}, "heldout_nll": 1.1,
                                     "kl": {"mean": 0.0}, "gsm8k_answers": _answers(BASE_ANSWERS), "seconds": {}})
     for method in ("atlas", "plain"):
@@ -113,7 +113,29 @@ def test_config_parses_and_names_bad_fields():
 
 
 def test_fingerprint_follows_what_changes_results():
-    a = repro_from_dict(GOOD).fingerprint()
+    config = repro_from_dict(GOOD)
+    a, methods = config.fingerprint(), config.method_fingerprints()
     assert repro_from_dict(dict(GOOD)).fingerprint() == a
     assert repro_from_dict({**GOOD, "eval": {"kl_contexts": 64}}).fingerprint() != a
-    assert repro_from_dict({**GOOD, "seeds": [0, 1, 2]}).fingerprint() != a
+    assert repro_from_dict({**GOOD, "lr_grid": [2e-4]}).fingerprint() != a
+    grown = repro_from_dict({**GOOD, "seeds": [0, 1, 2], "name": "u", "reference": "plain",
+                             "methods": {**GOOD["methods"], "weight-lora": "configs/train/weight-lora.yaml"}})
+    assert grown.fingerprint() == a  # more seeds and methods, another name or reference: the same units
+    assert {m: grown.method_fingerprints()[m] for m in methods} == methods
+    assert methods["atlas"] != methods["plain"]
+    assert repro_from_dict({**GOOD, "layer": 14}).method_fingerprints()["atlas"] != methods["atlas"]
+
+
+def test_methods_without_results_are_listed_as_not_run_yet(results):
+    import json
+
+    path = results / "experiment.json"
+    stored = json.loads(path.read_text())
+    methods = CONFIG["methods"] + [{"name": "lora-null", "config": "l"}]
+    ResultStore(results, "f" * 64, {**stored["method_fingerprints"], "lora-null": "c" * 64}).check_experiment(
+        {**CONFIG, "methods": methods})
+    text = write_report(results)
+    assert "| atlas vs lora-null | not run yet (lora-null) | | | | |" in text  # both comparison tables
+    assert text.count("not run yet (lora-null)") == 2 and "Not run yet: lora-null." in text
+    assert "| lora-null | - | 0 | not run yet | | | |" in text and "| lora-null | - | - | - |" in text
+    assert "Finished runs: 4 of 6" in text and "| atlas vs plain | 11-13 (3) |" in text

@@ -200,6 +200,23 @@ def test_other_configuration_is_refused(finished, tmp_path):
         Runner(repro_from_dict(changed), tmp_path / "results", tmp_path / "state", TinyWorld(), Budget(None)).run()
 
 
+def test_added_method_and_seed_train_only_what_is_new(finished, tmp_path, monkeypatch):
+    root, _ = finished
+    shutil.copytree(root / "results", tmp_path / "results")
+    before = {p: p.read_bytes() for p in (tmp_path / "results").rglob("*.json") if p.name != "experiment.json"}
+    grown = {**CONFIG, "methods": {**CONFIG["methods"], "centered": "configs/train/centered.yaml"}}
+    world = TinyWorld()
+    assert Runner(repro_from_dict(grown), tmp_path / "results", tmp_path / "state", world, Budget(None)).run()
+    assert world.calls["score_target"] == 2 * 2  # centered's 2 seeds x 2 checkpoints, nothing else
+    assert all(p.read_bytes() == b for p, b in before.items())  # the other methods' files: untouched, valid
+    assert "| atlas vs centered |" in write_report(tmp_path / "results")
+    trained = []
+    monkeypatch.setattr(runner_module.Runner, "run_one", lambda self, m, seed, lr: trained.append((m, seed)))
+    Runner(repro_from_dict({**grown, "seeds": [0, 1, 2]}), tmp_path / "results", tmp_path / "state", TinyWorld(),
+           Budget(None)).run()
+    assert trained == [(m, 2) for m in grown["methods"]]  # a new seed: only its runs, no sweep again
+
+
 def test_atlas_refit_on_another_cpu_is_accepted_only_if_it_is_the_same_fit(tmp_path):
     # A fresh state dir on another CPU refits the atlas with other SIMD rounding: another
     # sha256, the same partition. Another partition (or plan) must still be refused.

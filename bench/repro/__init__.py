@@ -5,6 +5,7 @@
 config.py   the experiment definition (configs/repro/*.yaml)
 workload.py the model, data subsets, atlas and scorers the runner works on
 runner.py   sweeps, training runs, per-checkpoint scoring; resume and time budget
-store.py    the per-unit results files (results/repro/<name>/)
+store.py    the per-unit results files (results/repro/<name>/), fingerprinted per method
+migrate.py  the one-off migration of results with the old whole-config fingerprint (issue 16)
 report.py   tables and plots from the results files only
 """

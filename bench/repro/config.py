@@ -129,13 +129,46 @@ class ReproConfig:
         return asdict(self)
 
     def fingerprint(self) -> str:
-        """sha256 of everything that changes what a unit computes; stored results must match it."""
-        methods = {m.name: load_run_config(PROJECT_ROOT / m.config).to_dict() for m in self.methods}
-        for d in methods.values():  # overridden per run, so not part of the method's identity
-            d.pop("atlas")
-            d["train"].pop("progress")
-        payload = {**self.to_dict(), "method_configs": methods}
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+        """The experiment fingerprint: sha256 of the settings shared by every method (SHARED).
+        base.json and experiment.json carry it."""
+        return experiment_fingerprint(self.to_dict())
+
+    def method_fingerprints(self) -> dict[str, str]:
+        """Per method: its training config (method_identity) combined with the experiment fingerprint.
+        Its sweep, lr, units and runs files carry it, so a changed config stales that method only."""
+        shared = self.fingerprint()
+        return {m.name: method_fingerprint(shared, method_identity(m.config)) for m in self.methods}
+
+
+# What changes what any unit computes. Not: the methods and seeds (both may grow), reference and
+# extra_pairs (what the report compares), name (the folder).
+SHARED = ("backbone", "dtype", "layer", "rank", "epochs", "checkpoints_per_epoch", "lr_grid", "atlas", "eval")
+# Set per run from the experiment (ReproConfig.run_config, the runner), so not a method's identity.
+OVERRIDDEN = ("backbone", "layer", "rank", "atlas")
+OVERRIDDEN_TRAIN = ("epochs", "seed", "lr", "progress", "checkpoint_every_steps")
+
+
+def _sha256(payload) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def experiment_fingerprint(config: dict) -> str:
+    """sha256 of the SHARED fields of a config dict (ReproConfig.to_dict, or as stored in experiment.json)."""
+    return _sha256({k: config[k] for k in SHARED})
+
+
+def method_identity(path: str | Path) -> dict:
+    """A method's training config (relative to the project root) as loaded, less what each run overrides."""
+    d = load_run_config(PROJECT_ROOT / path).to_dict()
+    for name in OVERRIDDEN:
+        d.pop(name)
+    for name in OVERRIDDEN_TRAIN:
+        d["train"].pop(name)
+    return d
+
+
+def method_fingerprint(experiment: str, identity: dict) -> str:
+    return _sha256({"experiment": experiment, "method": identity})
 
 
 def _positive(obj, names) -> None:

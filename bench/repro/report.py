@@ -27,13 +27,25 @@ BEGIN, END = "<!-- repro:{name}:begin -->", "<!-- repro:{name}:end -->"
 
 
 def _load(root: Path) -> dict:
+    """The stored results of the config's methods and seeds, each file checked against the
+    fingerprints experiment.json records (a method added but not run has none yet)."""
     experiment = json.loads((root / "experiment.json").read_text())
-    store = ResultStore(root, experiment["fingerprint"])
-    runs = {(r["method"], r["seed"]): r for r in map(store.read, sorted((root / "runs").glob("*.json")))}
-    units = [u for u in store.units() if (u["method"], u["seed"]) in runs]
-    return {"config": experiment["config"], "experiment": experiment, "base": store.read(store.base_path()),
-            "sweeps": store.sweeps(), "lrs": {m: store.read(store.lr_path(m)) for m in _methods(experiment["config"])},
-            "runs": runs, "units": units, "all_units": store.units()}
+    config = experiment["config"]
+    store = ResultStore(root, experiment["fingerprint"], experiment.get("method_fingerprints", {}))
+    methods = _methods(config)
+    runs = {(m, s): store.read(store.run_path(m, s)) for m in methods for s in config["seeds"]}
+    runs = {key: run for key, run in runs.items() if run is not None}
+    all_units = store.units(methods)
+    units = [u for u in all_units if (u["method"], u["seed"]) in runs]
+    return {"config": config, "experiment": experiment, "base": store.read(store.base_path()),
+            "sweeps": store.sweeps(methods), "lrs": {m: store.read(store.lr_path(m)) for m in methods},
+            "runs": runs, "units": units, "all_units": all_units}
+
+
+def _not_run(r: dict) -> list[str]:
+    """The methods without a finished run."""
+    finished = {m for m, _ in r["runs"]}
+    return [m for m in _methods(r["config"]) if m not in finished]
 
 
 def _methods(config: dict) -> list[str]:
@@ -63,7 +75,12 @@ def comparison_table(r: dict, level: str) -> tuple[str, list]:
     cps = _checkpoints(r["units"], level)
     direction, n_grid = ("higher", None) if level == "solved" else ("lower", config["eval"]["nll_levels"])
     rows, details = [], []
+    pending = _not_run(r)
     for method, baseline in pairs:
+        missing = [m for m in (method, baseline) if m in pending]
+        if missing:
+            rows.append(f"| {method} vs {baseline} | not run yet ({', '.join(missing)}) | | | | |")
+            continue
         seeds = sorted({c.seed for c in cps if c.method == method} & {c.seed for c in cps if c.method == baseline})
         pair = [c for c in cps if c.method in (method, baseline) and c.seed in seeds]
         if not seeds:
@@ -100,6 +117,7 @@ def checkpoint_table(r: dict) -> str:
         lines.append(f"| {method} | {epoch:g} | {len(us)} | {mean(lambda u: u['mbpp_plus']['solved']):.1f}/{n} | "
                      f"{mean(lambda u: u['mbpp_plus']['base_solved']):.1f}/{n} | {mean(lambda u: u['heldout_nll']):.4f} | "
                      f"{_geomean(u['kl']['mean'] for u in us):.4g} |")
+    lines += [f"| {m} | - | 0 | not run yet | | | |" for m in _not_run(r)]
     return "\n".join(lines) + "\n"
 
 
@@ -177,6 +195,7 @@ def write_report(root: Path) -> str:
     parts = [f"### Experiment `{name}`\n",
              f"Finished runs: {len(done)} of {expected} ({', '.join(done) or 'none'}); scored checkpoints of finished "
              f"runs: {len(r['units'])} (all stored: {len(r['all_units'])}).\n",
+             *([f"Not run yet: {', '.join(_not_run(r))}.\n"] if _not_run(r) else []),
              "#### Learning rate per method (best validation loss on MBPP validation, seed "
              f"{r['config']['seeds'][0]})\n", sweep_table(r),
              "#### Checkpoints (means over finished seeds)\n", checkpoint_table(r),

@@ -23,6 +23,7 @@ from atlas_core.paths import PROJECT_ROOT, state_dir  # noqa: E402
 from .config import load_repro_config  # noqa: E402
 from .report import update_docs, write_report  # noqa: E402
 from .runner import Budget, Runner  # noqa: E402
+from .store import ResultStore  # noqa: E402
 from .workload import default_workload  # noqa: E402
 
 
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[repro] session: {(time.perf_counter() - started) / 60:.1f} min; experiment "
               f"{'complete' if complete else 'not complete yet (run the same command again)'}", flush=True)
     if (results / "experiment.json").is_file():
+        if args.report_only:  # refuse a changed config; record methods and seeds added to it
+            ResultStore.of(config, results).check_experiment(config.to_dict())
         text = write_report(results)
         if args.docs:
             update_docs(args.docs, config.name, text)

@@ -71,7 +71,7 @@ class Runner:
     def __init__(self, config: ReproConfig, results: Path, state: Path, make_workload: Callable[[], Workload],
                  budget: Budget | None = None):
         self.config, self.state, self.make_workload = config, Path(state), make_workload
-        self.store = ResultStore(Path(results), config.fingerprint())
+        self.store = ResultStore.of(config, results)
         self.budget = budget or Budget(None)
         self.w: Workload | None = None
         self._data = None
