@@ -138,3 +138,19 @@ def test_migration_refuses_a_file_without_the_old_fingerprint(tmp_path):
     (tmp_path / "plain.yaml").write_text(PLAIN.replace("batch_size: 8", "batch_size: 4"))
     with pytest.raises(StaleResults, match="experiment.json: fingerprint .* is not the old whole-config"):
         migrate(root)  # a method config changed since the results were written
+
+
+@pytest.mark.parametrize("name", ["smollm2", "smoke"])
+def test_committed_results_are_valid_for_the_committed_configs(name, tmp_path):
+    """The migrated results carry the fingerprints the experiment files give (a copy is checked:
+    check_experiment records methods added to the config)."""
+    import shutil
+
+    from bench.repro.config import load_repro_config
+
+    config = load_repro_config(PROJECT_ROOT / "configs" / "repro" / f"{name}.yaml")
+    shutil.copytree(PROJECT_ROOT / "results" / "repro" / config.name, tmp_path / "results")
+    store = ResultStore.of(config, tmp_path / "results")
+    store.check_experiment(config.to_dict())
+    files = [p for p in (tmp_path / "results").rglob("*.json") if p.name != "experiment.json"]
+    assert files and all(store.read(p) is not None for p in files)
