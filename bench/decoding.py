@@ -1,5 +1,12 @@
-"""Generation throughput (new tokens/s) of the default backbone, base versus with a full ATLAS
-residual attached, at batch 1 and batch 8 (greedy, fixed number of new tokens).
+"""Greedy decoding throughput (new tokens/s) of the default backbone at batch 1, 8 and 32:
+transformers' `generate`, the platform's loop (evaluation.generate), and the platform's loop with
+a full ATLAS residual attached (its overhead), next to the memory-bandwidth bound of this machine.
+
+Every row of a batch decodes exactly `--new-tokens` tokens (no eos, no stop) from the same
+prompts, so the three are timed on the same work; best of `--repeat`, the three interleaved.
+The bound: a decoding step reads every weight once (bf16: 2 bytes a parameter; the KV cache is
+small here), so tokens/s <= batch x bandwidth / weight bytes, with the bandwidth measured below
+as the read rate of a 1 GiB tensor summed on all threads.
 
     .venv/bin/python bench/decoding.py [--new-tokens 64 --dtype auto --repeat 3]
 """
@@ -14,6 +21,7 @@ from pathlib import Path
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from atlas_core.atlas import AtlasConfig, fit_atlas  # noqa: E402
 from atlas_core.backbone import load_backbone  # noqa: E402
@@ -21,6 +29,23 @@ from atlas_core.extract import sample_activations  # noqa: E402
 from atlas_core.residual import ResidualConfig, attach, build_residual  # noqa: E402
 from bench.common import machine  # noqa: E402
 from evaluation.contexts import retained_contexts  # noqa: E402
+from evaluation.generate import _greedy_batch, _Stops  # noqa: E402
+
+BATCHES = (1, 8, 32)
+
+
+def read_bandwidth(gib: float = 1.0, repeat: int = 5) -> float:
+    """Bytes/s at which this machine's threads read a tensor far larger than its caches."""
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    x.sum()  # touch every page first
+    best = min(_timed(x.sum) for _ in range(repeat))
+    return x.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -31,34 +56,46 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     args = parser.parse_args()
     bb = load_backbone("smollm2-135m", args.dtype)
-    _, texts = retained_contexts(bb.tokenizer, "gsm8k", limit=256)
-    x = sample_activations(bb.model, bb.tokenizer, texts, args.layer, 1024, per_example=4, progress=False)
+    model, tok = bb.model, bb.tokenizer
+    _, texts = retained_contexts(tok, "gsm8k", limit=256)
+    x = sample_activations(model, tok, texts, args.layer, 1024, per_example=4, progress=False)
     atlas = fit_atlas(x, AtlasConfig(num_charts=32, rank=16, num_vectors=len(x)), {"layer": args.layer})
-    residual = build_residual(ResidualConfig(variant="atlas", layer=args.layer), bb.model, atlas)
+    residual = build_residual(ResidualConfig(variant="atlas", layer=args.layer), model, atlas)
     torch.nn.init.normal_(residual.B, std=0.01)
-    bb.tokenizer.padding_side = "left"
+    tok.padding_side = "left"
     prompts = [t[: t.index("<|im_start|>assistant")] + "<|im_start|>assistant\n" for t in texts]
+    never = _Stops(tok, [], (), None)  # every row decodes the full budget
 
-    def run(batch: int) -> float:
-        enc = bb.tokenizer(prompts[:batch], return_tensors="pt", padding=True)
-        start = time.perf_counter()
-        bb.model.generate(**enc, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
-                          pad_token_id=bb.tokenizer.pad_token_id)
-        return batch * args.new_tokens / (time.perf_counter() - start)
+    def hf(enc) -> None:
+        model.generate(**enc, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+                       pad_token_id=tok.pad_token_id)
 
+    def ours(enc) -> None:
+        _greedy_batch(model, enc["input_ids"], enc["attention_mask"], args.new_tokens, never)
+
+    def adapted(enc) -> None:
+        with attach(model, residual):
+            ours(enc)
+
+    bandwidth = read_bandwidth()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"machine: {machine()}")
-    print(f"{bb.name} ({bb.dtype}), full ATLAS residual at layer {args.layer} (K=32, m=16, r=16), "
-          f"{args.new_tokens} new tokens, best of {args.repeat} (base and adapted interleaved)")
-    print(f"{'batch':>6} {'base tok/s':>11} {'adapted tok/s':>14} {'overhead':>9}")
+    print(f"{bb.name} ({bb.dtype}, {weight_bytes / 1e6:.0f} MB of weights); read bandwidth {bandwidth / 1e9:.1f} GB/s; "
+          f"full ATLAS residual at layer {args.layer} (K=32, m=16, r=16); {args.new_tokens} new tokens a row, "
+          f"best of {args.repeat}, interleaved")
+    print(f"{'batch':>5} {'bound tok/s':>11} {'generate':>9} {'ours':>7} {'ours/generate':>13} {'ours % of bound':>15} "
+          f"{'adapted':>8} {'overhead':>8}")
     with torch.no_grad():
-        for batch in (1, 8):
-            base, adapted = [], []
+        for batch in BATCHES:
+            enc = tok(prompts[:batch], return_tensors="pt", padding=True, add_special_tokens=False)
+            times = {fn: [] for fn in (hf, ours, adapted)}
             for _ in range(args.repeat):
-                base.append(run(batch))
-                with attach(bb.model, residual):
-                    adapted.append(run(batch))
-            b, a = max(base), max(adapted)
-            print(f"{batch:6d} {b:11.1f} {a:14.1f} {b / a - 1:9.1%}")
+                for fn in times:
+                    times[fn].append(_timed(lambda: fn(enc)))
+            rate = {fn: batch * args.new_tokens / min(t) for fn, t in times.items()}
+            bound = batch * bandwidth / weight_bytes
+            print(f"{batch:5d} {bound:11.1f} {rate[hf]:9.1f} {rate[ours]:7.1f} {rate[ours] / rate[hf]:12.2f}x "
+                  f"{rate[ours] / bound:15.0%} {rate[adapted]:8.1f} {rate[ours] / rate[adapted] - 1:8.1%}")
 
 
 if __name__ == "__main__":
