@@ -268,8 +268,10 @@ def with_layer_output(output, hidden: torch.Tensor):
 
 
 @torch.no_grad()
-def hidden_at_layer(model: nn.Module, layer: int, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Output of decoder layer `layer` (B, T, d); layers above it and the LM head never run."""
+def hidden_at_layer(model: nn.Module, layer: int, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Output of decoder layer `layer` (B, T, d); layers above it and the LM head never run.
+    `position_ids` (None: the model's default, 0..T-1) matter for left-padded batches."""
     layers = decoder_layers(model)
     check_layer(layers, layer)
 
@@ -278,7 +280,7 @@ def hidden_at_layer(model: nn.Module, layer: int, input_ids: torch.Tensor, atten
 
     handle = layers[layer].register_forward_hook(stop)
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     except _StopForward as done:
         return done.hidden
     finally:
@@ -320,12 +322,14 @@ def _lower_layers_replaced(layers: nn.ModuleList, layer: int, hidden: torch.Tens
 
 
 def run_from_layer(
-    model: nn.Module, layer: int, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    model: nn.Module, layer: int, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logits (B, T, V) of the model whose layer-`layer` output is `hidden` (B, T, d).
 
     Layers 0..layer do not run (their result is `hidden`); the model's own forward computes
-    masks and positions from `input_ids`/`attention_mask` and runs layers above `layer`.
+    masks and positions from `input_ids`/`attention_mask` (and `position_ids` if given: they
+    must be those `hidden` was computed with) and runs layers above `layer`.
     Hooks on layer `layer` (an attached residual) do not fire: apply the residual to
     `hidden` before calling. Gradients flow into `hidden` if it requires them.
     """
@@ -334,7 +338,7 @@ def run_from_layer(
     if hidden.shape[:2] != input_ids.shape:
         raise ValueError(f"hidden: expected shape {tuple(input_ids.shape)} + (d,), got {tuple(hidden.shape)}")
     with _lower_layers_replaced(layers, layer, hidden):
-        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
 
 
 # --------------------------------------------------------------------------- stopping before the LM head
@@ -364,9 +368,10 @@ def full_hidden(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torc
     return _stopping_at_head(model, lambda: model(input_ids=ids, attention_mask=mask, use_cache=False))
 
 
-def upper_hidden(model: nn.Module, layer: int, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def upper_hidden(model: nn.Module, layer: int, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Final hidden states given layer `layer`'s output `hidden`: only layers above it run."""
-    return _stopping_at_head(model, lambda: run_from_layer(model, layer, hidden, ids, mask))
+    return _stopping_at_head(model, lambda: run_from_layer(model, layer, hidden, ids, mask, position_ids))
 
 
 def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from atlas_core.backbone import head_logits, hidden_at_layer, upper_hidden
+from atlas_core.backbone import head_logits, hidden_at_layer, hidden_size, upper_hidden
 from atlas_core.residual import AtlasResidual
 
 
@@ -46,6 +46,20 @@ def kl_of_log_probs(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
 # under the allocator's mmap threshold, so the buffers are reused; whole-batch logits were mapped
 # and zeroed again for every batch (measured: 1.6x faster head + KL, bench/eval_candidate.py).
 HEAD_CHUNK = 128
+
+
+def adopted_states(states: Sequence[torch.Tensor], shapes: Sequence[torch.Size],
+                   model: torch.nn.Module) -> list[torch.Tensor]:
+    """Prefix states (one (B, T, d) tensor per batch of token ids of `shapes`) checked and moved to
+    the model's device: states of another batching or another model would be silently wrong."""
+    if len(states) != len(shapes):
+        raise ValueError(f"prefix states: expected {len(shapes)} batches, got {len(states)}")
+    d = hidden_size(model)
+    for shape, h in zip(shapes, states):
+        if h.ndim != 3 or tuple(h.shape) != (*shape, d):
+            raise ValueError(f"prefix states: expected a batch of shape {(*shape, d)}, got {tuple(h.shape)}")
+    dev = next(model.parameters()).device
+    return [h.to(dev) for h in states]
 
 
 class RetainedKL:
@@ -92,13 +106,7 @@ class RetainedKL:
 
     def use_prefix(self, states: list[torch.Tensor]) -> None:
         """Adopt prefix states computed before (e.g. stored on disk) for these same contexts."""
-        if len(states) != len(self.batches):
-            raise ValueError(f"prefix states: expected {len(self.batches)} batches, got {len(states)}")
-        for (ids, _), h in zip(self.batches, states):
-            if h.ndim != 3 or tuple(h.shape[:2]) != tuple(ids.shape):
-                raise ValueError(f"prefix states: expected a batch of shape {tuple(ids.shape)} x d, got {tuple(h.shape)}")
-        dev = self._device()
-        self._prefix = [h.to(dev) for h in states]
+        self._prefix = adopted_states(states, [ids.shape for ids, _ in self.batches], self.model)
 
     def cache_bytes(self) -> int:
         """Memory held by the prefix cache (the reference cache holds the same again)."""

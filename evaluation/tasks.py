@@ -73,9 +73,15 @@ def eval_csqa_choice(
     chat_template_kwargs: dict | None = None,
 ) -> AnswerEval:
     """CSQA conditional choice: the most likely label A-E after one shared prompt."""
-    rows = _first(load_csqa(split), limit)
-    prompts = [render(tokenizer, choice_message(s, t), "choice", chat_template_kwargs)
-               for s, t in zip(rows["stem"], rows["texts"])]
+    rows, prompts = csqa_choice_prompts(tokenizer, split, limit, chat_template_kwargs)
     result = choose(model, tokenizer, prompts, batch_size=batch_size)
     answers = result.answers(rows["id"], rows["answer"])
     return AnswerEval(answers, result.accuracy(rows["answer"]))
+
+
+def csqa_choice_prompts(tokenizer: Any, split: str = "validation", limit: int | None = None,
+                        chat_template_kwargs: dict | None = None) -> tuple[Any, list[str]]:
+    """The CSQA rows (the first `limit`) and their rendered choice prompts."""
+    rows = _first(load_csqa(split), limit)
+    return rows, [render(tokenizer, choice_message(s, t), "choice", chat_template_kwargs)
+                  for s, t in zip(rows["stem"], rows["texts"])]

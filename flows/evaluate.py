@@ -66,21 +66,20 @@ def question_ids(ctx: CycleContext, kind: str) -> list[str]:
 
 
 def _generate(ctx: CycleContext, applied: Applied, kind: str) -> dict[str, tuple[str | None, bool]]:
-    from evaluation.tasks import eval_csqa_choice, eval_gsm8k
+    from evaluation.tasks import eval_gsm8k
     from evaluation.timing import phase
 
-    from .runtime import applied_on, backbone
+    from .runtime import applied_on, backbone, csqa_answers
 
+    if kind == "csqa":  # its shared prefix states are built before the version is attached
+        return {a.id: (a.answer, bool(a.correct)) for a in csqa_answers(ctx, applied)}
     tokenizer, r = backbone(ctx.backbone).tokenizer, ctx.config.retained
-    with applied_on(ctx, applied) as model, phase(f"answers {kind}" + (" (choice)" if kind == "csqa" else "")):
+    with applied_on(ctx, applied) as model, phase(f"answers {kind}"):
         if kind == "target" or kind.startswith(SKILL):
             scored = scorer_for(ctx, kind).score(model, tokenizer)
             return {q: (ps.answer, ps.correct) for q, ps in scored.items()}
-        if kind == "gsm8k":
-            got = eval_gsm8k(model, tokenizer, limit=r.gsm8k_questions, max_new_tokens=r.max_new_tokens,
-                             batch_size=r.generation_batch_size).answers
-        else:
-            got = eval_csqa_choice(model, tokenizer, limit=r.csqa_questions, batch_size=r.batch_size).answers
+        got = eval_gsm8k(model, tokenizer, limit=r.gsm8k_questions, max_new_tokens=r.max_new_tokens,
+                         batch_size=r.generation_batch_size).answers
     return {a.id: (a.answer, bool(a.correct)) for a in got}
 
 

@@ -2,10 +2,10 @@
 
 A stage receives ids, names and sha256s (flows/cycle.py); what it computes with is heavy and
 process-bound: the opened platform (ledger, store, MLflow), the loaded backbone, verified
-deltas and atlases, retained-KL prefix caches and reference states. Each is built on first
-use and kept, keyed by content, until the outermost `session()` ends, so the stages of one
-cycle share one backbone and one prefix cache per member without passing any mutable
-object between them.
+deltas and atlases, retained-KL prefix caches and reference states, the CSQA choice prompts'
+prefix states. Each is built on first use and kept, keyed by content, until the outermost
+`session()` ends, so the stages of one cycle share one backbone and one prefix cache per
+member without passing any mutable object between them.
 """
 from __future__ import annotations
 
@@ -169,9 +169,10 @@ def _kl_key(ctx, member: str) -> tuple:
 _KEEP_STATES = 32  # stored state files kept (newest first); one is ~45 MB for 128 contexts of SmolLM2 in bf16
 
 
-def _layout(kl) -> str:
-    """The batches' shapes: stored states are only valid for the same batching of the same tokens."""
-    return str([tuple(ids.shape) for ids, _ in kl.batches])
+def _layout(batched) -> str:
+    """The batches' shapes (a RetainedKL's or a ChoiceSet's: token ids first in each batch): stored
+    states are only valid for the same batching of the same tokens."""
+    return str([tuple(batch[0].shape) for batch in batched.batches])
 
 
 def _stored_states(key: tuple, build: Callable[[], list]) -> list:
@@ -237,6 +238,47 @@ def retained_kl(ctx, applied, ref_applied: list, member: str) -> list[float]:
         refs = [reference(ctx, r, member) for r in ref_applied]
         with applied_on(ctx, applied):
             return [r.mean for r in kl.kl_many(refs, None)]
+
+
+# ------------------------------------------------------------------------------ CSQA choice
+def prefix_serves(ctx, applied) -> bool:
+    """Whether the base model's states at layer ctx.kl_layer are this version's too: its chain
+    changes nothing at or below that layer (the base; a version whose deltas all sit above it)."""
+    return ctx.kl_layer >= 0 and (applied.lowest_layer is None or applied.lowest_layer > ctx.kl_layer)
+
+
+def choice_set(ctx, prompts: list[str]):
+    """The CSQA choice prompts batched once, with the base model's layer-kl_layer states (built
+    before any delta is attached; stored on disk like the KL's, keyed by the prompts themselves)."""
+    from evaluation.choice import ChoiceSet
+
+    from .config import digest
+
+    bb, r = ctx.backbone, ctx.config.retained
+    key = ("choice", bb.name, bb.revision, bb.dtype, ctx.kl_layer, r.batch_size, digest(prompts))
+
+    def build():
+        loaded = backbone(bb)
+        choices = ChoiceSet(loaded.model, loaded.tokenizer, prompts, batch_size=r.batch_size, layer=ctx.kl_layer)
+        with phase("answers csqa (choice prefix states)"):
+            choices.use_prefix(_stored_states(("prefix", *key, _layout(choices)), choices.prefix))
+        return choices
+
+    return _cached(key, build)
+
+
+def csqa_answers(ctx, applied) -> list:
+    """A version's CSQA choice answers (evaluation.answers.Answer): from the stored prefix states
+    when they are its own (prefix_serves), else by full forwards."""
+    from evaluation.choice import ChoiceSet
+    from evaluation.tasks import csqa_choice_prompts
+
+    bb, r = backbone(ctx.backbone), ctx.config.retained
+    rows, prompts = csqa_choice_prompts(bb.tokenizer, limit=r.csqa_questions)
+    choices = (choice_set(ctx, prompts) if prefix_serves(ctx, applied)
+               else ChoiceSet(bb.model, bb.tokenizer, prompts, batch_size=r.batch_size))
+    with applied_on(ctx, applied), phase("answers csqa (choice)"):
+        return choices.choose().answers(rows["id"], rows["answer"])
 
 
 def resolve_applied(version):

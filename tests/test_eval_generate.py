@@ -10,7 +10,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from evaluation.choice import choose, label_token_ids  # noqa: E402
+from evaluation.choice import ChoiceSet, choose, label_token_ids  # noqa: E402
 from evaluation.generate import extract_code, generate, truncate_after, truncate_at_stop  # noqa: E402
 from evaluation.prompts import choice_message, code_message, math_message, render  # noqa: E402
 from evaluation.tiny import tiny_llama, tiny_tokenizer  # noqa: E402
@@ -182,16 +182,23 @@ def test_forward_hook_changes_generation(model_and_tokenizer) -> None:
     assert generate(model, tok, prompts, max_new_tokens=8, progress=False) == plain
 
 
+def _choice_prompts(tok, n: int) -> list[str]:
+    return [render(tok, choice_message("Where is money kept" + "?" * i, OPTIONS), "choice") for i in range(n)]
+
+
+def _unbatched_label_logprobs(model, tok, prompt: str) -> torch.Tensor:
+    enc = tok(prompt, return_tensors="pt", add_special_tokens=tok.chat_template is None)
+    with torch.no_grad():
+        return torch.log_softmax(model(**enc).logits[0, -1], dim=-1)[label_token_ids(tok)]
+
+
 def test_choice_matches_unbatched_forward_and_follows_logits(model_and_tokenizer) -> None:
     model, tok = model_and_tokenizer
-    prompts = [render(tok, choice_message("Where is money kept" + "?" * i, OPTIONS), "choice") for i in range(5)]
+    prompts = _choice_prompts(tok, 5)
     result = choose(model, tok, prompts, batch_size=3, progress=False)
     ids = label_token_ids(tok)
     for prompt, row in zip(prompts, result.logprobs):
-        enc = tok(prompt, return_tensors="pt", add_special_tokens=tok.chat_template is None)
-        with torch.no_grad():
-            logp = torch.log_softmax(model(**enc).logits[0, -1], dim=-1)[ids]
-        assert torch.allclose(row, logp, atol=1e-5)
+        assert torch.allclose(row, _unbatched_label_logprobs(model, tok, prompt), atol=1e-5)
     assert result.choices == ["ABCDE"[i] for i in result.logprobs.argmax(-1).tolist()]
     # Push the logit of label "C" up: every choice must become C.
     bias = torch.zeros(len(tok))
@@ -205,6 +212,96 @@ def test_choice_matches_unbatched_forward_and_follows_logits(model_and_tokenizer
     gold = ["C", "C", "A", "B", "C"]
     assert forced.accuracy(gold) == pytest.approx(3 / 5)
     assert [a.correct for a in forced.answers([f"q{i}" for i in range(5)], gold)] == [True, True, False, False, True]
+
+
+def _adding(steer: torch.Tensor):
+    return lambda m, i, out: (out[0] + steer, *out[1:]) if isinstance(out, tuple) else out + steer
+
+
+def _same(a, b) -> bool:
+    return torch.allclose(a.logprobs, b.logprobs, atol=1e-6, rtol=0) and a.choices == b.choices
+
+
+def test_choice_from_prefix_states_equals_full_forwards(model_and_tokenizer) -> None:
+    model, tok = model_and_tokenizer
+    prompts = _choice_prompts(tok, 7)  # batches of 3, 3, 1 with different amounts of left padding
+    full = choose(model, tok, prompts, batch_size=3, progress=False)
+    choices = ChoiceSet(model, tok, prompts, batch_size=3, layer=0)
+    states = [h.clone() for h in choices.prefix()]  # the base model's, before anything is attached
+    assert _same(choices.choose(progress=False), full)
+    adopted = ChoiceSet(model, tok, prompts, batch_size=3, layer=0)  # as read back from disk
+    adopted.use_prefix(states)
+    assert _same(adopted.choose(progress=False), full)
+
+    steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(2)) * 5
+    # A delta above the prefix layer (layer 1): both paths see it, and it changes the answers.
+    handle = model.model.layers[1].register_forward_hook(_adding(steer))
+    try:
+        above = choose(model, tok, prompts, batch_size=3, progress=False)
+        assert _same(choices.choose(progress=False), above)
+    finally:
+        handle.remove()
+    assert not torch.allclose(above.logprobs, full.logprobs, atol=1e-3)
+    # A delta at the prefix layer: the stored states miss it, which is why flows.runtime.prefix_serves
+    # refuses them for such a version.
+    handle = model.model.layers[0].register_forward_hook(_adding(steer))
+    try:
+        at = choose(model, tok, prompts, batch_size=3, progress=False)
+        assert _same(choices.choose(progress=False), full) and not torch.allclose(at.logprobs, full.logprobs, atol=1e-3)
+    finally:
+        handle.remove()
+
+
+def test_choice_prefix_states_are_checked(model_and_tokenizer) -> None:
+    model, tok = model_and_tokenizer
+    prompts = _choice_prompts(tok, 5)
+    choices = ChoiceSet(model, tok, prompts, batch_size=3, layer=0)
+    states = choices.prefix()
+    assert [tuple(h.shape[:2]) for h in states] == [tuple(ids.shape) for ids, *_ in choices.batches]
+    d = model.config.hidden_size
+    wrong = {"batches": states[:1], "length": [states[0][:, 1:], states[1]], "width": [h[..., : d - 1] for h in states],
+             "rank": [h[0] for h in states], "rows": [states[1], states[0]]}
+    for name, bad in wrong.items():
+        with pytest.raises(ValueError, match="prefix states"):
+            ChoiceSet(model, tok, prompts, batch_size=3, layer=0).use_prefix(bad)
+    for call in (lambda c: c.prefix(), lambda c: c.use_prefix(states)):
+        with pytest.raises(ValueError, match="without a prefix layer"):
+            call(ChoiceSet(model, tok, prompts, batch_size=3))
+
+
+def test_choice_passes_left_padded_positions(model_and_tokenizer) -> None:
+    # Llama's rotary attention only sees relative positions, which left padding does not shift; a
+    # model with absolute position embeddings (GPT-2) answers differently at shifted positions.
+    # The rows of one left-padded batch must answer as if each prompt ran alone, by full forwards
+    # and through the prefix (lower layers) and the upper layers alike.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = model_and_tokenizer[1]
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                                       bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    prompts = _choice_prompts(tok, 5)
+    choices = ChoiceSet(model, tok, prompts, batch_size=5, layer=0)
+    ids, mask, _, rows = choices.batches[0]
+    assert (mask == 0).any(dim=1).sum() == 4  # one batch, every prompt but the longest padded
+    alone = torch.stack([_unbatched_label_logprobs(model, tok, p) for p in prompts])
+    for result in (choices.choose(progress=False), choose(model, tok, prompts, batch_size=5, progress=False)):
+        assert torch.allclose(result.logprobs, alone, atol=1e-5)
+    with torch.no_grad():  # what the padded rows would get at the positions 0..T-1 of the batch
+        shifted = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, -1], dim=-1)
+    assert not torch.equal(shifted[:, label_token_ids(tok)].argmax(-1), alone[rows].argmax(-1))
+
+    # The layers above the prefix get the full forward's positions too (where rotary attention
+    # is not shift-invariant, e.g. dynamic rope scaling, they would matter there as well).
+    llama, seen = model_and_tokenizer[0], []
+    upper = llama.model.layers[1].register_forward_pre_hook(lambda m, a, kw: seen.append(kw["position_ids"]),
+                                                             with_kwargs=True)
+    try:
+        choose(llama, tok, prompts, batch_size=5, progress=False)
+        ChoiceSet(llama, tok, prompts, batch_size=5, layer=0).choose(progress=False)
+    finally:
+        upper.remove()
+    assert len(seen) == 2 and all(torch.equal(p, choices.batches[0][2]) for p in seen)
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,7 @@ def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle
     assert "| training |" in timing and f"| **total** | **{sum(seconds.values()):.1f}** |" in timing
     steps = first["steps"]  # the steps inside the stages: each answer set, KL per domain, training per candidate
     assert {"backbone load", "train atlas s0", "train weight-lora s0", "answers target", "answers gsm8k",
-            "answers csqa (choice)", "KL gsm8k", "KL csqa", "KL gsm8k (prefix states)",
+            "answers csqa (choice)", "answers csqa (choice prefix states)", "KL gsm8k", "KL csqa", "KL gsm8k (prefix states)",
             "publish (MLflow model versions)"} <= set(steps), steps
     assert all(v >= 0 for v in steps.values()) and steps["train atlas s0"] <= seconds["training"]
     assert "| answers gsm8k |" in timing and "| KL csqa |" in timing

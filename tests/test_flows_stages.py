@@ -73,12 +73,12 @@ def test_each_stage_runs_alone_on_the_values_of_the_one_before(prefect_harness, 
         assert after.champion_id == release.version_id and [v.id for v in after.champion.deltas] == [release.version_id]
         assert after.champion.lowest_layer == 2 and after.kl_layer == 1 and after.base == ctx.base
 
-    # A later process reads the KL prefix states and references from disk (by content) instead of
-    # recomputing them, and measures the same KL to the last bit.
+    # A later process reads the KL and CSQA-choice prefix states and the KL references from disk (by
+    # content) instead of recomputing them, and measures the same KL and choices to the last bit.
     stored_files = sorted((state / "cache" / "kl-states").glob("*.safetensors"))
-    assert len(stored_files) == 4  # prefix states and the base's reference, for each of the two domains
+    assert len(stored_files) == 5  # KL prefix states and the base's reference per domain, the choice prefix
     with runtime.session():
-        from registry import get_version
+        from registry import get_answers, get_version
 
         candidate = runtime.resolve_applied(get_version(runtime.ledger(), versions[0]))
         model = runtime.backbone(ctx.backbone).model
@@ -86,9 +86,31 @@ def test_each_stage_runs_alone_on_the_values_of_the_one_before(prefect_harness, 
         hook = model.model.layers[0].register_forward_hook(lambda *a: calls.append(1))
         try:
             again = {m: runtime.retained_kl(ctx, candidate, [ctx.base], m)[0] for m in ("gsm8k", "csqa")}
+            choices = runtime.csqa_answers(ctx, candidate)
+            assert calls == [] and again == metrics[0].kl_vs_base
+            # A version changing layer kl_layer (as far as the runtime knows) gets full forwards: the
+            # same answers here, since this candidate's residual really sits above it.
+            assert not runtime.prefix_serves(ctx, replace(candidate, lowest_layer=ctx.kl_layer))
+            full = runtime.csqa_answers(ctx, replace(candidate, lowest_layer=ctx.kl_layer))
+            assert len(calls) == math.ceil(cfg.retained.csqa_questions / cfg.retained.batch_size)
         finally:
             hook.remove()
-        assert calls == [] and again == metrics[0].kl_vs_base
+        stored = {q: (a.answer, a.correct) for (d, q), a in get_answers(runtime.ledger(), versions[0]).items()
+                  if d == "csqa-choice"}
+        assert {a.id: (a.answer, a.correct) for a in choices} == stored == {a.id: (a.answer, a.correct) for a in full}
+        assert len(stored) == cfg.retained.csqa_questions
+
+
+def test_choice_prefix_states_serve_versions_that_leave_their_layers_unchanged():
+    from types import SimpleNamespace
+
+    from flows.cycle import Applied
+    from flows.runtime import prefix_serves
+
+    ctx = SimpleNamespace(kl_layer=1)  # a line whose lowest changed layer is 2
+    assert prefix_serves(ctx, Applied(None)) and prefix_serves(ctx, Applied(None, (), 2))
+    assert not prefix_serves(ctx, Applied(None, (), 1)) and not prefix_serves(ctx, Applied(None, (), 0))
+    assert not prefix_serves(SimpleNamespace(kl_layer=-1), Applied(None))  # a delta at layer 0: no prefix at all
 
 
 def test_stages_validate_their_parameters(prefect_harness, state, tmp_path):
