@@ -374,6 +374,19 @@ def upper_hidden(model: nn.Module, layer: int, hidden: torch.Tensor, ids: torch.
     return _stopping_at_head(model, lambda: run_from_layer(model, layer, hidden, ids, mask, position_ids))
 
 
+@contextmanager
+def contiguous_head_input(model: nn.Module):
+    """The LM head fed a contiguous input while inside. transformers' `logits_to_keep=1` hands it a
+    strided (B, 1, d) slice of the last hidden states, and torch's CPU `linear` on such a slice
+    copies the whole (V, d) weight per row: 0.7 s instead of 5 ms for 8 rows of SmolLM2's
+    49k x 576 head, with the same bits out."""
+    handle = model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: (args[0].contiguous(), *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """Logits for final hidden states (..., d), with the output transforms some families apply."""
     logits = model.get_output_embeddings()(hidden)

@@ -9,7 +9,8 @@ retained KL on 128 GSM8K + 128 CSQA contexts against the base and the champion.
     current   evaluation.generate (ended rows leave the batch; a windowed stop check; a KV cache
               written in place) with the main job's batches (MBPP+ 32, GSM8K 16); RetainedKL.kl_many
               (one candidate pass for all references, the LM head on real positions in chunks)
-CSQA choice is the same code in both (timed once). Candidates: the main job's v1 (its champion then
+CSQA choice: previous full forwards (the head fed a strided slice); current the layers above the prefix from the base's stored
+layer-l states (computed once per line and prompt set, like the KL's prefix: timed apart). Candidates: the main job's v1 (its champion then
 was the base) and v2 (champion v1), and the base's answers; run `bash scripts/main.sh` first, ATLAS_STATE_DIR as there.
 
     .venv/bin/python bench/eval_candidate.py [--contexts 128] [--dtype auto] [--answers-only]
@@ -39,7 +40,8 @@ from evaluation.evalplus_score import score_mbpp_plus  # noqa: E402
 from evaluation.generate import _eos_ids, extract_code, generate, truncate_after, truncate_at_stop  # noqa: E402
 from evaluation.kl import RetainedKL, kl_per_position  # noqa: E402
 from evaluation.prompts import code_message, math_message, render  # noqa: E402
-from evaluation.tasks import eval_csqa_choice  # noqa: E402
+from evaluation.choice import ChoiceSet, label_token_ids  # noqa: E402
+from evaluation.tasks import csqa_choice_prompts  # noqa: E402
 from flows import load_release  # noqa: E402
 
 LINE = "smollm2-135m.assistant"
@@ -79,6 +81,26 @@ def previous_generate(model, tokenizer, prompts, max_new_tokens, batch_size=8, s
     finally:
         tokenizer.padding_side = saved
     return outputs
+
+
+@torch.inference_mode()
+def previous_choose(model, tokenizer, prompts, batch_size=8) -> list[str]:
+    """CSQA choice before ChoiceSet: full forwards, the LM head fed transformers' strided last-position
+    slice (torch's CPU linear then copies the whole head weight per row)."""
+    label_ids = torch.tensor(label_token_ids(tokenizer))
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
+    logprobs = torch.empty(len(prompts), len(label_ids))
+    saved, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            enc = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False)
+            positions = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+            logits = model(**enc, position_ids=positions, logits_to_keep=1).logits[:, -1, :].float()
+            logprobs[idx] = torch.log_softmax(logits, dim=-1)[:, label_ids]
+    finally:
+        tokenizer.padding_side = saved
+    return logprobs
 
 
 @torch.no_grad()
@@ -155,6 +177,11 @@ def main() -> None:
     base, v1 = Chain([]), Chain(v2.chain.deltas[:1])
     layer = v2.chain.lowest_layer - 1  # where the cycle's prefix cache ends: below every delta
     print(f"# {machine()}, dtype {model.dtype}; candidates {v2.manifest['chain'][0]['name']} (v1) and {v2.name} (v2)")
+    prompts = csqa_choice_prompts(tokenizer, "validation", 128)[1]
+    prefixed = ChoiceSet(model, tokenizer, prompts, batch_size=8, layer=layer)
+    start = time.perf_counter()
+    prefixed.prefix()  # nothing attached yet: the base model's states, as flows.runtime.choice_set stores them
+    print(f"# CSQA choice prefix states (once per line and prompt set): {time.perf_counter() - start:.1f} s")
     for case, candidate, refs in (("base", base, None), ("v1", v1, [base, base]), ("v2", v2.chain, [base, v1])):
         kl_too = refs is not None and not args.answers_only  # the base: its answers only (its KL is 0)
         with candidate.attached(model):
@@ -162,8 +189,10 @@ def main() -> None:
             new, t_new = answers(model, tokenizer, fast=True)
             if kl_too:
                 start = time.perf_counter()
-                eval_csqa_choice(model, tokenizer, limit=128, batch_size=8)
-                t_choice = time.perf_counter() - start
+                choice_old = previous_choose(model, tokenizer, prompts)
+                mid = time.perf_counter()
+                choice_new = prefixed.choose()
+                t_choice = (mid - start, time.perf_counter() - mid)
         print(f"\n## {case}\n\n| part | previous s | current s | ratio |\n|---|---|---|---|")
         for part in t_old:
             print(f"| {part} | {t_old[part]:.1f} | {t_new[part]:.1f} | {t_old[part] / t_new[part]:.2f}x |")
@@ -174,8 +203,9 @@ def main() -> None:
                 p, c = kl_s[domain, "previous"], kl_s[domain, "current"]
                 print(f"| retained KL {domain} ({args.contexts} contexts, 2 references) | {p:.1f} | {c:.1f} | {p / c:.2f}x |")
                 total_old, total_new = total_old + p, total_new + c
-            print(f"| CSQA choice 128 (unchanged) | {t_choice:.1f} | {t_choice:.1f} | 1.00x |")
-            total_old, total_new = total_old + t_choice, total_new + t_choice
+            p, c = t_choice
+            print(f"| CSQA choice 128 | {p:.1f} | {c:.1f} | {p / c:.2f}x |")
+            total_old, total_new = total_old + p, total_new + c
         print(f"| **the whole evaluation** | {total_old:.1f} | {total_new:.1f} | **{total_old / total_new:.2f}x** |\n")
         for key in old:
             n = sum(a != b for a, b in zip(old[key], new[key]))
@@ -183,6 +213,9 @@ def main() -> None:
             print(f"- {key}: {n} of {len(old[key])} differ{counts}")
         if kl_too:
             print(f"- retained KL: largest relative difference {kl_diff:.1e}")
+            moved = int((choice_old.argmax(-1) != choice_new.logprobs.argmax(-1)).sum())
+            gap = float((choice_old - choice_new.logprobs).abs().max())
+            print(f"- CSQA choices: {moved} of {len(prompts)} differ; largest label log-prob difference {gap:.1e}")
 
 
 if __name__ == "__main__":

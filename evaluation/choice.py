@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from atlas_core.backbone import head_logits, hidden_at_layer, upper_hidden
+from atlas_core.backbone import contiguous_head_input, head_logits, hidden_at_layer, upper_hidden
 from evaluation.answers import Answer
 from evaluation.kl import adopted_states
 from evaluation.prompts import CSQA_LABELS, add_special_tokens_for, label_continuations
@@ -121,11 +121,12 @@ class ChoiceSet:
         for i in tqdm(range(len(self.batches)), desc="choice", disable=not progress, unit="batch"):
             ids, mask, positions = self._inputs(i)
             if self.layer is None:
-                logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                    logits_to_keep=1).logits[:, -1, :]
+                with contiguous_head_input(self.model):
+                    logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                        logits_to_keep=1).logits[:, -1, :]
             else:  # the head on the last position only, shaped (B, 1, d) as in the full forward (same GEMM)
                 last = upper_hidden(self.model, self.layer, self.prefix()[i], ids, mask, positions)[:, -1:, :]
-                logits = head_logits(self.model, last)[:, -1, :]
+                logits = head_logits(self.model, last.contiguous())[:, -1, :]
             label_logprobs = torch.log_softmax(logits.float(), dim=-1)[:, self.label_ids.to(ids.device)]
             logprobs[self.batches[i][3]] = label_logprobs.cpu()
         chosen = logprobs.argmax(dim=-1).tolist()

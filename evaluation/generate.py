@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from atlas_core.backbone import contiguous_head_input
 from evaluation.prompts import add_special_tokens_for
 
 
@@ -140,8 +141,9 @@ def _greedy_batch(model: Any, input_ids: torch.Tensor, mask: torch.Tensor, max_n
     cache = _cache(model)
     kv = {_cache_argument(model): cache}
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T): left padding does not shift positions
-    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                   logits_to_keep=1, **kv).logits[:, -1]  # (B, V)
+    with contiguous_head_input(model):
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                       logits_to_keep=1, **kv).logits[:, -1]  # (B, V)
     tokens: list[list[int]] = [[] for _ in range(len(input_ids))]
     running = list(range(len(input_ids)))  # batch row -> input row
     position = positions[:, -1:]  # (B, 1)

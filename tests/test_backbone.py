@@ -93,3 +93,25 @@ def test_cpu_bf16_is_read_from_the_cpu_flags():
     assert not cpu_has_bf16(avx2)
     assert cpu_has_bf16(avx2 + " avx512f avx512_bf16") and cpu_has_bf16(avx2 + " amx_bf16 amx_tile")
     assert not cpu_has_bf16("flags: avx512_bf16x")  # whole flags only
+
+
+def test_contiguous_head_input_feeds_the_head_a_contiguous_slice_with_the_same_logits() -> None:
+    # transformers' logits_to_keep=1 slices the last position (strided); torch's CPU linear is then
+    # ~100x slower. Inside the context the head sees a contiguous tensor and returns the same logits.
+    from atlas_core.backbone import contiguous_head_input
+    from evaluation.tiny import tiny_llama
+
+    model = tiny_llama(64)
+    ids = torch.randint(3, 64, (3, 7))
+    seen: list[bool] = []
+    handle = model.lm_head.register_forward_pre_hook(lambda _m, args: seen.append(args[0].is_contiguous()))
+    try:
+        with torch.no_grad():
+            plain = model(input_ids=ids, logits_to_keep=1).logits
+            with contiguous_head_input(model):
+                fixed = model(input_ids=ids, logits_to_keep=1).logits
+            after = model(input_ids=ids, logits_to_keep=1).logits
+    finally:
+        handle.remove()
+    assert seen == [False, True, False]  # strided without it, contiguous inside, the hook gone after
+    assert torch.equal(plain, fixed) and torch.equal(plain, after)
