@@ -104,7 +104,8 @@ def test_contiguous_head_input_feeds_the_head_a_contiguous_slice_with_the_same_l
     model = tiny_llama(64)
     ids = torch.randint(3, 64, (3, 7))
     seen: list[bool] = []
-    handle = model.lm_head.register_forward_pre_hook(lambda _m, args: seen.append(args[0].is_contiguous()))
+    # A forward hook sees the input the head ran on (after every pre-hook).
+    handle = model.lm_head.register_forward_hook(lambda _m, args, _out: seen.append(args[0].is_contiguous()))
     try:
         with torch.no_grad():
             plain = model(input_ids=ids, logits_to_keep=1).logits
