@@ -5,12 +5,14 @@ hook takes part automatically because every step runs the model's ordinary forwa
 Greedy decoding is deterministic; prompts are sorted by length so a batch holds prompts of
 similar length (less padding), padded on the left, and results come back in input order.
 
-The decoding loop is ours rather than `model.generate`, for two savings that leave a row's
-tokens as they were:
+The decoding loop is ours rather than `model.generate`, for savings that leave a row's tokens
+as they were:
   - a finished row leaves the batch (its KV cache rows are dropped), so a step costs what
     the rows still running cost, not the whole batch until its longest answer ends;
   - stop strings and `stop_after` are looked for in the last few tokens of the rows still
-    running (a window that covers any match), not in every row's whole suffix at every step.
+    running (a window that covers any match), not in every row's whole suffix at every step;
+  - the KV cache is written in place (`_GrowingLayer`), and the prefill's LM head gets a
+    contiguous input (`atlas_core.backbone.contiguous_head_input`).
 In fp32 the answers equal `model.generate`'s at any batch size. In bf16 a greedy answer
 depends on the batch it was decoded in, with either loop: the CPU's bf16 kernels round a row
 differently for another number of rows or another padding, and a near-tie then picks another
