@@ -221,7 +221,7 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_serve, config=None, policy=None)  # unset: each deployment's own parameters
     p = sub.add_parser("status", parents=[common, model], help="champion, last gate decisions and runs, next scheduled run")
     p.add_argument("--limit", type=int, default=5, help="rows per list")
-    p.add_argument("--no-prefect", action="store_true", help="skip the Prefect query (starts a local server if none is set)")
+    p.add_argument("--no-prefect", action="store_true", help="skip the Prefect query (the server's API, or the local database in local mode)")
     p.set_defaults(func=cmd_status)
     p = sub.add_parser("compare", parents=[common, model], help="compare version B against version A from stored records")
     p.add_argument("a", help="reference version: base, champion, candidate, a version name, mlflow:<n> or #<id>")

@@ -28,6 +28,29 @@ def bad(capsys, command: str, *argv: str, says: str) -> None:
     assert says in lines[0], lines[0]
 
 
+def assert_local_prefect_status_reads_the_same_runs(tmp_path) -> None:
+    """Without PREFECT_API_URL (local mode) `atlas status` reads Prefect's database in-process:
+    the same lines as through the server's API, no client (which would start a temporary server),
+    and no database created where there is none."""
+    from unittest import mock
+
+    from prefect.server.database.dependencies import temporary_database_config
+    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL, PREFECT_API_URL, temporary_settings
+
+    from flows.serve import prefect_status
+
+    served = prefect_status(5)
+    assert "COMPLETED" in served.upper(), served
+    with temporary_settings(restore_defaults={PREFECT_API_URL}), \
+            mock.patch("prefect.client.orchestration.get_client", side_effect=AssertionError("client used")):
+        assert prefect_status(5) == served
+        missing = tmp_path / "no-prefect" / "prefect.db"
+        with temporary_settings(updates={PREFECT_API_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{missing}"}), \
+                temporary_database_config(None):  # Prefect keeps a process's first database config
+            assert "COMPLETED" not in prefect_status(5).upper()
+        assert not missing.exists()
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> str:
     """The tiny Llama and its tokenizer saved as a local model folder (what `--backbone DIR` loads)."""
@@ -66,6 +89,7 @@ def test_release_commands_on_a_tiny_line(prefect_harness, state, tmp_path, capsy
     assert code == 0 and f"champion   {champion}" in out and "PASS" in out
     code, out, _ = atlas(capsys, "status", *LINE)  # with the Prefect query: the cycle's flow run
     assert code == 0 and "Prefect (flow 'update'):" in out and "COMPLETED" in out.upper()
+    assert_local_prefect_status_reads_the_same_runs(tmp_path)
     code, out, _ = atlas(capsys, "compare", *LINE, "base", "champion", "--format", "json")
     compared = json.loads(out)
     assert code == 0 and compared["version_b"] == champion and compared["version_a"].endswith("-base")
