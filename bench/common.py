@@ -1,6 +1,7 @@
 """Shared bits of the benchmark scripts: timing and a description of the machine."""
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import statistics
@@ -20,6 +21,23 @@ def timeit(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def peak_rss_added(fn: Callable[[], object]) -> tuple[object, float]:
+    """(fn(), MiB by which the process's peak resident set rose during the call). Linux/glibc:
+    freed heap memory is first returned to the system (malloc_trim), so what an earlier call left
+    in the allocator is not counted as free room; writing 5 to /proc/self/clear_refs then resets
+    the peak (VmHWM) to the current size."""
+    def status_kib(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return int(next(line.split()[1] for line in f if line.startswith(field)))
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status_kib("VmRSS:")
+    out = fn()
+    return out, (status_kib("VmHWM:") - before) / 1024
 
 
 def machine() -> str:

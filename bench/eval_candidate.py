@@ -104,12 +104,12 @@ def previous_choose(model, tokenizer, prompts, batch_size=8) -> list[str]:
 
 
 @torch.no_grad()
-def previous_kl(kl: RetainedKL, reference: list[torch.Tensor]) -> float:
+def previous_kl(kl: RetainedKL, reference: list[torch.Tensor], residual=None) -> float:
     """Retained KL before kl_many: per reference, every batch's whole (B, T, V) logits of the
     candidate and of the reference, padding included."""
     total = 0.0
     for i, (_, mask) in enumerate(kl.batches):
-        logits = head_logits(kl.model, kl._upper(i, None))
+        logits = head_logits(kl.model, kl._upper(i, residual))
         total += float((kl_per_position(head_logits(kl.model, reference[i]), logits).cpu() * mask).sum())
     return total / kl.positions
 
