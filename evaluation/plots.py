@@ -65,12 +65,14 @@ def tradeoff_plot(
     by_method: dict[str, list[Checkpoint]] = defaultdict(list)
     for c in checkpoints:
         by_method[c.method].append(c)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    many = len(by_method) > 10  # the default cycle has 10 colours: beyond, 20 colours and a marker per method
+    fig, ax = plt.subplots(figsize=(8.4 if many else 6.4, 4.2))
     for i, (method, cps) in enumerate(sorted(by_method.items())):
-        color = f"C{i}"
-        ax.scatter([c.level for c in cps], [c.kl for c in cps], s=10, alpha=0.35, color=color)
+        color = plt.get_cmap("tab20")(i % 20) if many else f"C{i}"
+        marker = "os^Dv<>PX*"[i % 10] if many else "o"
+        ax.scatter([c.level for c in cps], [c.kl for c in cps], s=10, alpha=0.35, color=color, marker=marker)
         xs, ys = _frontier(cps, direction)
-        ax.plot(xs, ys, marker="o", ms=3, color=color, label=method)
+        ax.plot(xs, ys, marker=marker, ms=3, color=color, label=method)
     if shared:
         ax.axvspan(min(shared), max(shared), color="grey", alpha=0.12, label="shared levels")
     ax.set_yscale("log")
@@ -80,7 +82,10 @@ def tradeoff_plot(
     ax.set_ylabel(kl_label)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if many:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend()
     return _save(fig, path)
 
 
