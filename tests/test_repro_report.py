@@ -78,6 +78,33 @@ def test_unfinished_runs_stay_out_of_the_comparison(results):
     assert "Finished runs: 3 of 4" in text
 
 
+def test_common_levels_are_those_every_method_reaches(results):
+    """A third method reaching only 12-13 solved (NLL 0.8-0.7) narrows the common tables' levels
+    for every pair; the pairwise tables keep each pair's own."""
+    import json
+
+    path = results / "experiment.json"
+    stored = json.loads(path.read_text())
+    methods = CONFIG["methods"] + [{"name": "narrow", "config": "n"}]
+    store = ResultStore(results, "f" * 64, {**stored["method_fingerprints"], "narrow": "c" * 64})
+    store.check_experiment({**CONFIG, "methods": methods})
+    for seed in (0, 1):
+        for step, (solved, nll) in enumerate(((12, 0.8), (13, 0.7)), start=1):
+            store.write(store.unit_path("narrow", seed, step), {
+                "method": "narrow", "seed": seed, "step": step, "epoch": float(step), "final": False,
+                "mbpp_plus": {"n": 20, "solved": solved, "base_solved": solved}, "heldout_nll": nll,
+                "kl": {"mean": 0.05}, "seconds": {}})
+        store.write(store.run_path("narrow", seed), {"method": "narrow", "seed": seed, "steps": [1, 2],
+                                                     "steps_per_epoch": 1, "train_seconds": 60.0})
+    text = write_report(results)
+    pairwise, common = text.split("#### The same at levels every finished method")
+    assert "| atlas vs plain | 11-13 (3) |" in pairwise
+    # at k = 12, 13 (NLL 0.8, 0.7): seed 0 .02/.04, .04/.08; seed 1 .03/.06 twice -> 0.5 everywhere
+    assert "| atlas vs plain | 12-13 (2) | 0.500 | +50.0% | 2/2 | 2/2 |" in common
+    assert "| atlas vs plain | 0.7000-0.8000 (3) | 0.500 | +50.0% | 2/2 | 3/3 |" in common
+    assert "| atlas vs narrow | 12-13 (2) |" in common
+
+
 def test_docs_section_is_replaced_in_place(tmp_path):
     doc = tmp_path / "RESULTS.md"
     doc.write_text("# Results\n\nintro\n")
@@ -135,7 +162,7 @@ def test_methods_without_results_are_listed_as_not_run_yet(results):
     ResultStore(results, "f" * 64, {**stored["method_fingerprints"], "lora-null": "c" * 64}).check_experiment(
         {**CONFIG, "methods": methods})
     text = write_report(results)
-    assert "| atlas vs lora-null | not run yet (lora-null) | | | | |" in text  # both comparison tables
-    assert text.count("not run yet (lora-null)") == 2 and "Not run yet: lora-null." in text
+    assert "| atlas vs lora-null | not run yet (lora-null) | | | | |" in text  # every comparison table
+    assert text.count("not run yet (lora-null)") == 4 and "Not run yet: lora-null." in text
     assert "| lora-null | - | 0 | not run yet | | | |" in text and "| lora-null | - | - | - |" in text
     assert "Finished runs: 4 of 6" in text and "| atlas vs plain | 11-13 (3) |" in text

@@ -67,13 +67,16 @@ def _checkpoints(units: list[dict], level: str) -> list[Checkpoint]:
             for u in units if u["kl"]["mean"] > 0]
 
 
-def comparison_table(r: dict, level: str) -> tuple[str, list]:
-    """One row per compared pair: geometric-mean KL ratio, reduction, seeds and levels favouring."""
+def comparison_table(r: dict, level: str, common: bool = False) -> tuple[str, list]:
+    """One row per compared pair: geometric-mean KL ratio, reduction, seeds and levels favouring.
+    Levels: those both runs of each pair reach, or with `common` those every finished run of every
+    method reaches (one range for all rows, as the paper's table of the seven baselines)."""
     config = r["config"]
     pairs = [(config["reference"], m) for m in _methods(config) if m != config["reference"]]
     pairs += [tuple(p.split(":")) for p in config.get("extra_pairs", [])]
     cps = _checkpoints(r["units"], level)
     direction, n_grid = ("higher", None) if level == "solved" else ("lower", config["eval"]["nll_levels"])
+    levels = shared_levels(cps, direction, n_grid) if common and cps else None
     rows, details = [], []
     pending = _not_run(r)
     for method, baseline in pairs:
@@ -86,7 +89,7 @@ def comparison_table(r: dict, level: str) -> tuple[str, list]:
         if not seeds:
             rows.append(f"| {method} vs {baseline} | no finished seeds in common | | | | |")
             continue
-        cmp = matched_comparison(pair, method, baseline, direction, n_grid=n_grid)
+        cmp = matched_comparison(pair, method, baseline, direction, levels=levels, n_grid=n_grid)
         span = f"{_fmt(cmp.levels[0])}-{_fmt(cmp.levels[-1])}" if len(cmp.levels) > 1 else _fmt(cmp.levels[0])
         rows.append(f"| {method} vs {baseline} | {span} ({len(cmp.levels)}) | {cmp.ratio:.3f} | "
                     f"{100 * cmp.reduction:+.1f}% | {cmp.favour_seeds[method]}/{len(seeds)} | "
@@ -189,6 +192,8 @@ def write_report(root: Path) -> str:
     name = r["config"]["name"]
     solved_table, _ = comparison_table(r, "solved")
     nll_table, _ = comparison_table(r, "nll")
+    common_solved, _ = comparison_table(r, "solved", common=True)
+    common_nll, _ = comparison_table(r, "nll", common=True)
     churn, pooled = churn_table(r)
     done = sorted(f"{m}/seed{s}" for m, s in r["runs"])
     expected = len(r["config"]["methods"]) * len(r["config"]["seeds"])
@@ -201,7 +206,9 @@ def write_report(root: Path) -> str:
              "#### Checkpoints (means over finished seeds)\n", checkpoint_table(r),
              "#### Matched comparison at shared MBPP+ solved counts\n", solved_table,
              f"#### Matched comparison at shared held-out NLL levels ({r['config']['eval']['nll_levels']} evenly spaced)\n",
-             nll_table, "#### GSM8K answer churn of the final checkpoints vs the base model\n", churn,
+             nll_table, "#### The same at levels every finished method and seed reaches (one range for every row, "
+             "as the paper's table of the seven baselines)\n", common_solved, common_nll,
+             "#### GSM8K answer churn of the final checkpoints vs the base model\n", churn,
              "#### Measured cost\n", cost_table(r)]
     cps = _checkpoints(r["units"], "solved")
     if cps:
