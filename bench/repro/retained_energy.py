@@ -60,6 +60,8 @@ def main() -> None:
     print(f"retained stats: {stats.tokens} tokens, layer {stats.layer} {stats.target}, d_in {C.shape[0]}")
     for r in (1, 16, 128):
         print(f"  top-{r} eigenvectors of C hold {float(evals[:r].sum() / evals.sum()):.3f} of tr(C)")
+    random_a = torch.rand(16, C.shape[0], generator=torch.Generator().manual_seed(0), dtype=C.dtype) * 2 - 1
+    print(f"  a random A (16 uniform rows, as LoRA's init): through A {through_a(random_a, C):.3f}")
     for folder in args.checkpoints:
         tensors, m = load_verified(Path(folder) / "adapter.safetensors", kind="weight-lora")
         A, B = tensors["lora_A"].double(), tensors["lora_B"].double()
