@@ -22,8 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline, like the runner
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see BENCHMARKS.md)
 
 from atlas_core.paths import PROJECT_ROOT, state_dir  # noqa: E402
-from atlas_core.train.objectives import mean_loss  # noqa: E402
 from atlas_core.train import ResidualAdapter  # noqa: E402
+from atlas_core.train.objectives import mean_loss  # noqa: E402
 
 from .config import load_repro_config  # noqa: E402
 from .runner import Runner  # noqa: E402
