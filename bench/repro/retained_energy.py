@@ -54,8 +54,11 @@ def main() -> None:
     evals = torch.linalg.eigvalsh(C).flip(0)
     base = None
     if args.backbone:
+        key = f"model.layers.{stats.layer}.{stats.target}.weight"
         with safe_open(args.backbone, "pt") as f:
-            W = f.get_tensor(f"model.layers.{stats.layer}.{stats.target}.weight").double()  # (d_out, d_in)
+            if key not in f.keys():
+                raise SystemExit(f"--backbone {args.backbone}: no tensor {key} (the statistics' layer and module)")
+            W = f.get_tensor(key).double()  # (d_out, d_in)
         base = update_energy(torch.eye(W.shape[1], dtype=W.dtype), W, 1.0, C)
     print(f"retained stats: {stats.tokens} tokens, layer {stats.layer} {stats.target}, d_in {C.shape[0]}")
     for r in (1, 16, 128):
