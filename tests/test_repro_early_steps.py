@@ -18,5 +18,7 @@ def test_every_step_is_scored_and_the_epoch_end_reproduces_the_stored_unit(tmp_p
     assert all(kl > 0 for _, _, kl in rows)
     # the retrain is the stored run's first epoch: the same NLL and KL, bit for bit
     assert stored["step"] == 2 and rows[-1][1:] == (stored["heldout_nll"], stored["kl"]["mean"])
+    with pytest.raises(ValueError, match="every"):
+        early_steps(runner, "atlas", every=0)
     with pytest.raises(ValueError, match="no learning rate"):
         early_steps(runner, "plain", every=1)

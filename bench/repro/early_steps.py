@@ -33,6 +33,8 @@ from .workload import default_workload  # noqa: E402
 def early_steps(runner: Runner, method: str, every: int) -> tuple[list[tuple[int, float, float]], dict | None]:
     """(step, held-out NLL, retained KL) every `every` steps of the first epoch of `method`'s seed-0
     run at its chosen rate, and the stored unit of that epoch's end (None if not stored)."""
+    if every < 1:
+        raise ValueError(f"every: expected a number of steps >= 1, got {every}")
     lr = runner.store.chosen_lr(method)
     if lr is None:
         raise ValueError(f"method {method!r}: no learning rate chosen yet (run the experiment first)")
