@@ -22,8 +22,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline, like the runner
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see BENCHMARKS.md)
 
 from atlas_core.paths import PROJECT_ROOT, state_dir  # noqa: E402
-from atlas_core.train import ResidualAdapter  # noqa: E402
-from atlas_core.train.objectives import mean_loss  # noqa: E402
 
 from .config import load_repro_config  # noqa: E402
 from .runner import Runner  # noqa: E402
@@ -46,10 +44,7 @@ def early_steps(runner: Runner, method: str, every: int) -> tuple[list[tuple[int
 
     with runner._adapter(rc) as adapter:
         def score(_path: Path, state: dict) -> None:
-            data, cache = runner._heldout(adapter.cache_layer)
-            nll = mean_loss(runner.w.model, adapter, data.train, cache, data.pad_id, runner.config.eval.kl_batch_size)
-            kl, reference = runner._kl(adapter)
-            moved = kl.kl(reference, adapter.residual if isinstance(adapter, ResidualAdapter) else None)
+            nll, moved = runner.heldout_nll(adapter), runner.retained_kl(adapter)
             rows.append((state["step"], nll, moved.mean))
             print(f"  step {state['step']:3d}  NLL {nll:.4f}  KL {moved.mean:.3e}", flush=True)
 

@@ -157,17 +157,25 @@ class Runner:
         return self._cached(("kl", layer), build)
 
     # ------------------------------------------------------------------ scoring
+    def heldout_nll(self, adapter) -> float:
+        """Mean token NLL of the held-out reference solutions under the adapted model."""
+        data, cache = self._heldout(adapter.cache_layer)
+        return mean_loss(self.w.model, adapter, data.train, cache, data.pad_id, self.config.eval.kl_batch_size)
+
+    def retained_kl(self, adapter):
+        """KL(base || adapted) on the retained contexts (evaluation.kl's result: mean, positions, per context)."""
+        kl, reference = self._kl(adapter)
+        return kl.kl(reference, adapter.residual if isinstance(adapter, ResidualAdapter) else None)
+
     def _score(self, adapter, final: bool) -> dict:
-        w, ev = self.w, self.config.eval
+        w = self.w
         clock = _Clock()
         with _adapted(w.model, adapter):
             target = w.score_target(w.model, w.tokenizer)
         clock.lap("mbpp_plus")
-        data, cache = self._heldout(adapter.cache_layer)
-        nll = mean_loss(w.model, adapter, data.train, cache, data.pad_id, ev.kl_batch_size)
+        nll = self.heldout_nll(adapter)
         clock.lap("heldout_nll")
-        kl, reference = self._kl(adapter)
-        moved = kl.kl(reference, adapter.residual if isinstance(adapter, ResidualAdapter) else None)
+        moved = self.retained_kl(adapter)
         clock.lap("kl")
         record = {"mbpp_plus": asdict(target), "heldout_nll": nll,
                   "kl": {"mean": moved.mean, "positions": moved.positions, "contexts": len(moved.per_context)}}
