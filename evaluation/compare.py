@@ -8,7 +8,7 @@ e.g. MBPP+ problems solved) or <= k (direction "lower", e.g. held-out NLL).
    per-run maximum, from the largest per-run minimum (below a run's own minimum all its
    checkpoints qualify, so lower levels add nothing); "lower" mirrors this. Integer
    levels give every integer in that range; float levels need an explicit list or a grid
-   of `n_grid` evenly spaced values.
+   of `n_grid` evenly spaced values (one value when the range is a single point).
 2. A run's value at k: the lowest KL among its checkpoints that reach k.
 3. Per seed and k: ratio = value(method) / value(baseline). Summary: geometric mean of the
    ratios over all (seed, k); reduction = 1 - ratio. Each seed (geometric mean over its k)
@@ -87,7 +87,7 @@ def shared_levels(
         return [float(k) for k in range(int(lo), int(hi) + 1)]
     if n_grid < 1:
         raise ValueError("n_grid must be >= 1")
-    if n_grid == 1:
+    if n_grid == 1 or lo == hi:  # one level when the range collapses: repeats would count it n times
         return [lo]
     return [lo + (hi - lo) * i / (n_grid - 1) for i in range(n_grid - 1)] + [hi]  # ends exact
 

@@ -81,6 +81,12 @@ def test_non_overlapping_runs_compare_at_the_reachable_end() -> None:
     # b never exceeds 5; a reaches 5 with all its checkpoints -> only k = 5 carries information
     assert shared_levels(recs) == [5.0]
     assert matched_comparison(recs, "a", "b").ratio == pytest.approx(1.0 / 8.0)
+    # Float levels on a grid: the collapsed range is one level, not n_grid copies of it
+    # (copies would count one level n_grid times among the levels favouring a method).
+    assert shared_levels(recs, n_grid=8) == [5.0]
+    lower = [C("a", 0, 0.85, 1.0), C("a", 0, 0.80, 2.0), C("b", 0, 0.90, 4.0), C("b", 0, 0.87, 8.0)]
+    assert shared_levels(lower, "lower", n_grid=8) == [0.87]
+    assert matched_comparison(lower, "a", "b", direction="lower", n_grid=8).levels == [0.87]
 
 
 def test_bad_inputs() -> None:
