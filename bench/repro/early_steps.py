@@ -21,11 +21,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline, like the runner
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see BENCHMARKS.md)
 
-from atlas_core.paths import PROJECT_ROOT, state_dir  # noqa: E402
 
 from .config import load_repro_config  # noqa: E402
-from .runner import Runner  # noqa: E402
-from .workload import default_workload  # noqa: E402
+from .runner import Runner, default_runner  # noqa: E402
 
 
 def early_steps(runner: Runner, method: str, every: int) -> tuple[list[tuple[int, float, float]], dict | None]:
@@ -61,9 +59,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=3, help="steps between checkpoints")
     args = parser.parse_args()
     config = load_repro_config(args.config)
-    state = state_dir() / "repro" / config.name
-    runner = Runner(config, PROJECT_ROOT / "results" / "repro" / config.name, state,
-                    lambda: default_workload(config, state))
+    runner = default_runner(config)
     print(f"{args.method} seed {config.seeds[0]}: step, held-out NLL, retained KL over the first epoch")
     rows, stored = early_steps(runner, args.method, args.every)
     if stored is not None:  # the deterministic retrain reproduces the stored unit

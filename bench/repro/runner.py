@@ -67,6 +67,16 @@ def _log(message: str) -> None:
     print(f"[repro {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
+def default_runner(config: ReproConfig) -> "Runner":
+    """The runner of the bench scripts: the project's results and state folders, the real workload."""
+    from atlas_core.paths import PROJECT_ROOT, state_dir
+
+    from .workload import default_workload
+
+    state = state_dir() / "repro" / config.name
+    return Runner(config, PROJECT_ROOT / "results" / "repro" / config.name, state, lambda: default_workload(config, state))
+
+
 class Runner:
     def __init__(self, config: ReproConfig, results: Path, state: Path, make_workload: Callable[[], Workload],
                  budget: Budget | None = None):

@@ -26,14 +26,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 
 import torch  # noqa: E402
 
-from atlas_core.paths import PROJECT_ROOT, state_dir  # noqa: E402
 from atlas_core.train.baselines.stm import f0_token_nll, stm_drop  # noqa: E402
 from atlas_core.train.baselines.talr import talr_weights  # noqa: E402
 from atlas_core.train.data import epoch_batches  # noqa: E402
 
 from .config import load_repro_config  # noqa: E402
-from .runner import Runner  # noqa: E402
-from .workload import default_workload  # noqa: E402
+from .runner import default_runner  # noqa: E402
 
 
 def loss_shares(nll: Sequence[torch.Tensor], batches: Sequence[Sequence[int]], tau: float = 2.5) -> dict[str, float]:
@@ -60,9 +58,7 @@ def main() -> None:
     parser.add_argument("--tau", type=float, default=2.5, help="perplexity above which a token is hard (STM's tau)")
     args = parser.parse_args()
     config = load_repro_config(args.config)
-    state = state_dir() / "repro" / config.name
-    runner = Runner(config, PROJECT_ROOT / "results" / "repro" / config.name, state,
-                    lambda: default_workload(config, state))
+    runner = default_runner(config)
     runner.w = runner.make_workload()
     rc, _ = runner._train_config("weight-lora", config.seeds[0], config.lr_grid[0])
     data = runner._train_data(rc.train)
