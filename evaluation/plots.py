@@ -60,7 +60,7 @@ def tradeoff_plot(
 ) -> Path:
     """One line per method (its KL frontier over seeds) plus every checkpoint as a dot.
 
-    `shared`: the matched levels, shaded. For direction "lower" the x axis is inverted so
+    `shared`: the matched levels, shaded (one level: a grey line). For direction "lower" the x axis is inverted so
     better is always to the right."""
     by_method: dict[str, list[Checkpoint]] = defaultdict(list)
     for c in checkpoints:
@@ -73,7 +73,9 @@ def tradeoff_plot(
         ax.scatter([c.level for c in cps], [c.kl for c in cps], s=10, alpha=0.35, color=color, marker=marker)
         xs, ys = _frontier(cps, direction)
         ax.plot(xs, ys, marker=marker, ms=3, color=color, label=method)
-    if shared:
+    if shared and min(shared) == max(shared):  # a span of zero width would not show
+        ax.axvline(shared[0], color="grey", lw=4, alpha=0.3, label="shared level")
+    elif shared:
         ax.axvspan(min(shared), max(shared), color="grey", alpha=0.12, label="shared levels")
     ax.set_yscale("log")
     if direction == "lower":

@@ -110,3 +110,16 @@ def test_markdown_and_plots(tmp_path: Path) -> None:
                       tmp_path / "churn.png")
     for path in (png, bars):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_one_shared_level_is_drawn_as_a_line(tmp_path: Path, monkeypatch) -> None:
+    import evaluation.plots as plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or Path(path))
+    for shared in ([12.0], [11.0, 13.0]):
+        tradeoff_plot(RECORDS, tmp_path / "t.png", shared=shared)
+    (line_fig, span_fig) = (f.axes[0] for f in figures)
+    labels = dict(zip(*reversed(line_fig.get_legend_handles_labels())))
+    assert list(labels["shared level"].get_xdata()) == [12.0, 12.0]
+    assert "shared levels" in span_fig.get_legend_handles_labels()[1]
