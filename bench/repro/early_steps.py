@@ -21,7 +21,6 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline, like the runner
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see BENCHMARKS.md)
 
-
 from .config import load_repro_config  # noqa: E402
 from .runner import Runner, default_runner  # noqa: E402
 

@@ -10,7 +10,7 @@ training set's first epoch of batches, the share of
     STM   0 by construction    (the hard tokens are the ones it drops)
 
 that falls on the hard tokens (f0 NLL > ln 2.5), next to their share of the tokens. It loads the
-backbone and scores the training set once with f0 (seconds); nothing is written.
+backbone and scores the training set once with f0 (~2 min with loading); nothing is written.
 
     .venv/bin/python -m bench.repro.token_loss_share --config configs/repro/smollm2.yaml
 """
@@ -40,12 +40,12 @@ def loss_shares(nll: Sequence[torch.Tensor], batches: Sequence[Sequence[int]], t
     `nll[i]`: example i's per-token response NLLs (n_i,)."""
     tokens = hard_tokens = ce = hard_ce = talr = hard_talr = 0.0
     for index in batches:
-        l = torch.cat([nll[i] for i in index])  # (N,)
+        losses = torch.cat([nll[i] for i in index])  # (N,)
         rows = torch.cat([torch.full((len(nll[i]),), r) for r, i in enumerate(index)])  # (N,)
         hard = torch.cat(stm_drop([nll[i] for i in index], tau))  # (N,) bool
-        wl = talr_weights(l, rows) * l
-        tokens, hard_tokens = tokens + len(l), hard_tokens + float(hard.sum())
-        ce, hard_ce = ce + float(l.sum()), hard_ce + float(l[hard].sum())
+        wl = talr_weights(losses, rows) * losses
+        tokens, hard_tokens = tokens + len(losses), hard_tokens + float(hard.sum())
+        ce, hard_ce = ce + float(losses.sum()), hard_ce + float(losses[hard].sum())
         talr, hard_talr = talr + float(wl.sum()), hard_talr + float(wl[hard].sum())
     if tokens == 0:
         raise ValueError("batches: no response tokens")
@@ -60,6 +60,7 @@ def main() -> None:
     config = load_repro_config(args.config)
     runner = default_runner(config)
     runner.w = runner.make_workload()
+    # STM's and TALR's training set and batches are Weight-LoRA's (the rate plays no part at f0)
     rc, _ = runner._train_config("weight-lora", config.seeds[0], config.lr_grid[0])
     data = runner._train_data(rc.train)
     with runner._adapter(rc) as adapter:  # switched off: f0
