@@ -18,13 +18,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from atlas_core.paths import PROJECT_ROOT, state_dir  # noqa: E402
-
 from .config import load_repro_config  # noqa: E402
 from .report import update_docs, write_report  # noqa: E402
-from .runner import Budget, Runner  # noqa: E402
+from .runner import Budget, default_results, default_runner  # noqa: E402
 from .store import ResultStore  # noqa: E402
-from .workload import default_workload  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,12 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     config = load_repro_config(args.config)
-    results = args.results or PROJECT_ROOT / "results" / "repro" / config.name
-    state = state_dir() / "repro" / config.name
+    results = args.results or default_results(config)
     complete = True
     if not args.report_only:
         started = time.perf_counter()
-        runner = Runner(config, results, state, lambda: default_workload(config, state), Budget(args.budget_minutes))
+        runner = default_runner(config, results, Budget(args.budget_minutes))
         complete = runner.run()
         print(f"[repro] session: {(time.perf_counter() - started) / 60:.1f} min; experiment "
               f"{'complete' if complete else 'not complete yet (run the same command again)'}", flush=True)

@@ -32,6 +32,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from atlas_core.paths import PROJECT_ROOT, state_dir
 from atlas_core.residual import ResidualConfig, attach, build_residual
 from atlas_core.train import (PrefixCache, ResidualAdapter, TrainingDiverged, WeightLoRA, as_adapter, build_adapter,
                               build_caches, epoch_batches, list_checkpoints, prepare_data, read_state,
@@ -41,7 +42,7 @@ from evaluation.kl import RetainedKL
 
 from .config import ReproConfig
 from .store import ResultStore, lr_tag
-from .workload import Workload
+from .workload import Workload, default_workload
 
 
 class BudgetSpent(Exception):
@@ -67,14 +68,16 @@ def _log(message: str) -> None:
     print(f"[repro {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def default_runner(config: ReproConfig) -> "Runner":
-    """The runner of the bench scripts: the project's results and state folders, the real workload."""
-    from atlas_core.paths import PROJECT_ROOT, state_dir
+def default_results(config: ReproConfig) -> Path:
+    """Where an experiment's results are committed: results/repro/<name>."""
+    return PROJECT_ROOT / "results" / "repro" / config.name
 
-    from .workload import default_workload
 
+def default_runner(config: ReproConfig, results: Path | None = None, budget: Budget | None = None) -> "Runner":
+    """The runner of `run` and the bench scripts: the state folder .atlas_state/repro/<name>, the real
+    workload, and `results` (default: `default_results`)."""
     state = state_dir() / "repro" / config.name
-    return Runner(config, PROJECT_ROOT / "results" / "repro" / config.name, state, lambda: default_workload(config, state))
+    return Runner(config, results or default_results(config), state, lambda: default_workload(config, state), budget)
 
 
 class Runner:
