@@ -6,7 +6,8 @@ for is the backbone with every delta of its chain applied, oldest first:
     f_t = f_0 + D_1 + D_2 + ... + D_t      (each D_i trained with D_1..D_{i-1} attached, frozen)
 
 Deltas are adapter files (safetensors + manifest with sha256, atlas_core.io), loaded and
-verified here. Two kinds exist:
+verified here. The kinds (besides TopLoRA's frozen form, and `atlas_core.peft_lora.LoraSet`,
+a PEFT LoRA adapter trained elsewhere: one FrozenLoRA per adapted Linear):
 - a residual at a decoder layer's output (any ATLAS variant): attached by a forward hook;
   residuals at the same layer apply in chain order (atlas_core.residual.Attachment);
 - a Weight-LoRA (rank-r update of one Linear inside a layer): a frozen forward hook on that
@@ -111,6 +112,9 @@ def load_delta(path: str | Path, atlas_for: Callable[[str], Atlas | None]) -> De
     if manifest.get("kind") == "toplora":  # not mergeable: applied by its own frozen form
         from .train.baselines.toplora import FrozenTopLoRA
         return FrozenTopLoRA.load(path)
+    if manifest.get("kind") == "peft-lora":  # a PEFT LoRA adapter trained elsewhere (atlas_core.peft_lora)
+        from .peft_lora import LoraSet
+        return LoraSet.load(path)
     atlas_sha = manifest.get("atlas_sha256")
     return load_adapter(path, atlas_for(atlas_sha) if atlas_sha else None)
 

@@ -3,9 +3,11 @@
     folder   the release folder itself (+ the backbone's files with bundle_backbone): for
              `flows.load_release(folder)` and `mlflow models serve` on an air-gapped host
     peft     a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) that
-             `PeftModel.from_pretrained(base, dir)` loads: a chain of LoRA deltas as ONE LoRA
-             adapter (what vLLM serves per request), a chain of ATLAS residuals as one adapter
-             of the ATLAS PEFT method (atlas_core.residual.peft; needs `import atlas_core`)
+             `PeftModel.from_pretrained(base, dir)` loads: a chain of LoRA deltas (the platform's
+             Weight-LoRA, submitted PEFT LoRAs) as ONE LoRA adapter (what vLLM serves per
+             request), a chain of ATLAS residuals as one adapter of the ATLAS PEFT method
+             (atlas_core.residual.peft; needs `import atlas_core`); with `since`, only the deltas
+             after an ancestor, to load on top of that ancestor
     merged   a plain transformers model folder with every LoRA delta folded into its weights
 
 One LoRA from a chain. Deltas on one module add: W x + sum_i s_i B_i A_i x. Stacking the
@@ -23,6 +25,7 @@ import torch
 
 from .backbone import weights_folder, weights_sha256
 from .chain import Chain, FrozenLoRA
+from .peft_lora import LoraSet
 from .io import atomic_folder, atomic_write_json
 from .release import MANIFEST, LoadedRelease, read_manifest
 from .residual import AtlasResidual
@@ -65,38 +68,63 @@ def lora_factors(chain: Chain) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """module name -> (A (R, d_in), B (d_out, R)) with B A = the sum of the chain's LoRA updates there."""
     stacks: dict[str, tuple[list, list]] = {}
     for i, delta in enumerate(chain.deltas, start=1):
-        if isinstance(delta, AtlasResidual):
-            raise ValueError(f"delta {i} of the chain is an ATLAS residual: it is input-conditioned (routed by h), "
-                             "so it is no LoRA and folds into no weight; export it with --format peft (the ATLAS "
-                             "PEFT method) or --format folder")
-        if not isinstance(delta, FrozenLoRA):
-            raise ValueError(f"delta {i} of the chain is a {getattr(delta, 'kind', type(delta).__name__)} delta, "
-                             "which is no plain LoRA (e.g. TopLoRA's token-wise gate) and folds into no weight; "
-                             "export it with --format folder")
-        a_list, b_list = stacks.setdefault(delta.module_name, ([], []))
-        a_list.append(delta.lora_A.float())
-        b_list.append(delta.lora_B.float() * delta.scaling)
+        for lora in _loras(i, delta):
+            a_list, b_list = stacks.setdefault(lora.module_name, ([], []))
+            a_list.append(lora.lora_A.float())
+            b_list.append(lora.lora_B.float() * lora.scaling)
     return {m: (torch.cat(a), torch.cat(b, dim=1)) for m, (a, b) in stacks.items()}
 
 
-def export_peft(release: LoadedRelease, out: str | Path) -> Path:
-    """The chain as one PEFT adapter: LoRA for LoRA deltas, the ATLAS method for residuals."""
-    kinds = {isinstance(d, AtlasResidual) for d in release.chain.deltas}
+def _loras(i: int, delta) -> list[FrozenLoRA]:
+    """The plain LoRAs a delta is made of (a Weight-LoRA: one; a submitted PEFT LoRA: one per module)."""
+    if isinstance(delta, LoraSet):
+        return delta.loras
+    if isinstance(delta, AtlasResidual):
+        raise ValueError(f"delta {i} of the chain is an ATLAS residual: it is input-conditioned (routed by h), "
+                         "so it is no LoRA and folds into no weight; export it with --format peft (the ATLAS "
+                         "PEFT method) or --format folder")
+    if not isinstance(delta, FrozenLoRA):
+        raise ValueError(f"delta {i} of the chain is a {getattr(delta, 'kind', type(delta).__name__)} delta, "
+                         "which is no plain LoRA (e.g. TopLoRA's token-wise gate) and folds into no weight; "
+                         "export it with --format folder")
+    return [delta]
+
+
+def chain_since(release: LoadedRelease, since: str | None) -> Chain:
+    """The deltas of the release's chain after the version named `since` (None or "base": all).
+
+    Exporting only what a version added on top of an ancestor gives the adapter a person trained
+    there: `PeftModel.from_pretrained(load_release(line, since).model, DIR)` is the version again,
+    also for a chain that mixes ATLAS residuals and LoRA deltas (e.g. a LoRA submitted on top of
+    an ATLAS release), which no single PEFT adapter holds as a whole."""
+    if since in (None, "base"):
+        return release.chain
+    names = [d.get("name") for d in release.manifest["chain"]]
+    if since not in names:
+        raise ValueError(f"--since: {since!r} is not in {release.name}'s chain ({', '.join(map(str, names))})")
+    return Chain(release.chain.deltas[names.index(since) + 1:])
+
+
+def export_peft(release: LoadedRelease, out: str | Path, since: str | None = None) -> Path:
+    """The chain (after `since`) as one PEFT adapter: LoRA for LoRA deltas, the ATLAS method for residuals."""
+    chain = chain_since(release, since)
+    kinds = {isinstance(d, AtlasResidual) for d in chain.deltas}
     if not kinds:
-        raise ValueError(f"{release.name}: the base version has no delta to export")
+        raise ValueError(f"{release.name}: no delta to export" + (f" after {since}" if since else ""))
     if kinds == {True}:
         from .residual.peft import save_atlas_adapter
 
         with atomic_folder(out) as tmp:
-            save_atlas_adapter(release.chain, release.model, release.manifest["backbone"]["name"], tmp)
+            save_atlas_adapter(chain, release.model, release.manifest["backbone"]["name"], tmp)
         return Path(out)
     if kinds == {True, False}:
         raise ValueError(f"{release.name}: its chain mixes ATLAS residuals and LoRA deltas; one PEFT adapter holds "
-                         "one method: export with --format folder")
+                         "one method: export with --format folder or mlflow, or the LoRA deltas alone with "
+                         "--since <the last ATLAS release>")
     from peft import LoraConfig
     from safetensors.torch import save_file
 
-    factors = lora_factors(release.chain)
+    factors = lora_factors(chain)
     ranks = {m: a.shape[0] for m, (a, _) in factors.items()}
     top = max(ranks.values())
     config = LoraConfig(r=top, lora_alpha=top, target_modules=sorted(factors), lora_dropout=0.0, bias="none",
@@ -109,7 +137,7 @@ def export_peft(release: LoadedRelease, out: str | Path) -> Path:
     with atomic_folder(out) as tmp:
         config.save_pretrained(tmp)
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        _provenance(release, tmp)
+        _provenance(release, tmp, since)
     return Path(out)
 
 
@@ -130,19 +158,24 @@ def export_merged(release: LoadedRelease, out: str | Path) -> Path:
     return Path(out)
 
 
-def _provenance(release: LoadedRelease, out: Path) -> None:
-    """What the export was made from: the release's name, backbone reference and chain (by sha256)."""
+def _provenance(release: LoadedRelease, out: Path, since: str | None = None) -> None:
+    """What the export was made from: the release's name, backbone reference and chain (by sha256),
+    and the ancestor it applies on top of (`since`; None: the bare backbone)."""
     m = release.manifest
     atomic_write_json(out / "atlas_release.json", {"name": m["name"], "model": m.get("model"), "backbone": m["backbone"],
+                                                   "applies_on_top_of": since,
                                                    "chain": [{k: d.get(k) for k in ("name", "method", "adapter_sha256",
                                                                                     "atlas_sha256")} for d in m["chain"]]})
 
 
-def export(release: LoadedRelease, source: str | Path, fmt: str, out: str | Path, bundle_backbone: bool = False) -> Path:
+def export(release: LoadedRelease, source: str | Path, fmt: str, out: str | Path, bundle_backbone: bool = False,
+           since: str | None = None) -> Path:
+    if since is not None and fmt != "peft":
+        raise ValueError(f"--since: only --format peft exports part of a chain, not --format {fmt}")
     if fmt == "folder":
         return export_folder(release, source, out, bundle_backbone)
     if fmt == "peft":
-        return export_peft(release, out)
+        return export_peft(release, out, since)
     if fmt == "merged":
         return export_merged(release, out)
     raise ValueError(f"--format: expected one of {FORMATS}, got {fmt!r}")

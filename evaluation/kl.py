@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from atlas_core.backbone import head_logits, hidden_at_layer, hidden_size, upper_hidden
+from atlas_core.backbone import full_hidden, head_logits, hidden_at_layer, hidden_size, upper_hidden
 from atlas_core.residual import AtlasResidual
 
 
@@ -66,7 +66,9 @@ class RetainedKL:
     """KL of adapted checkpoints against a reference on one fixed set of contexts.
 
     `layer` is where the frozen prefix ends: a residual must sit at this layer; a change
-    inside layer l (Weight-LoRA on its o_proj) needs the prefix to end at l - 1.
+    inside layer l (Weight-LoRA on its o_proj) needs the prefix to end at l - 1. Layer -1: a
+    delta changes layer 0 (e.g. a submitted LoRA on every layer), nothing below it can be
+    cached, and every pass runs the whole model.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, contexts: Sequence[str], layer: int,
@@ -98,6 +100,8 @@ class RetainedKL:
     @torch.no_grad()
     def prefix(self) -> list[torch.Tensor]:
         """Layer-l hidden states of every batch, computed on first use (layers 0..l only)."""
+        if self.layer < 0:
+            raise ValueError("the KL runs whole forwards (layer -1): it has no prefix states")
         if self._prefix is None:
             dev = self._device()
             self._prefix = [hidden_at_layer(self.model, self.layer, ids.to(dev), mask.to(dev))
@@ -115,13 +119,17 @@ class RetainedKL:
     @torch.no_grad()
     def _upper(self, i: int, residual: AtlasResidual | None) -> torch.Tensor:
         """Final (pre-head) hidden states of batch i with `residual` (or none) at the prefix layer."""
+        ids, mask = self.batches[i]
+        dev = self._device()
+        if self.layer < 0:  # no prefix: the whole model, attached deltas included
+            if residual is not None:
+                raise ValueError("residual: a whole-model KL (layer -1) takes attached deltas only")
+            return full_hidden(self.model, ids.to(dev), mask.to(dev))
         h = self.prefix()[i]
         if residual is not None:
             if residual.config.layer != self.layer:
                 raise ValueError(f"residual: sits at layer {residual.config.layer}, the prefix cache ends at {self.layer}")
             h = h + residual(h)
-        ids, mask = self.batches[i]
-        dev = self._device()
         return upper_hidden(self.model, self.layer, h, ids.to(dev), mask.to(dev))
 
     @torch.no_grad()

@@ -8,6 +8,8 @@
       gate / promote  release policy checks, selection, champion move (flows/release.py)
     rollback          move champion back (flows/release.py)
     load_release      a version as a ready transformers model (flows/serving.py; MLflow pyfunc: flows/pyfunc.py)
+    submit_candidate  an adapter trained elsewhere as a candidate version (flows/submit.py)
+    gate_candidate    the gate for one existing candidate, e.g. a submitted one (flows/gate_check.py)
 
 Configs: flows/config.py (UpdateConfig, configs/update/), flows/policy.py (ReleasePolicy,
 configs/policy/). Where state lives: flows/platform.py; the process resources the stages
@@ -16,5 +18,6 @@ Prefect's home at the project state folder (unless PREFECT_HOME is set).
 """
 from .platform import configure_environment
 from .serving import load_release  # noqa: F401 (the public way to use a release)
+from .submit import submit_candidate  # noqa: F401 (adapters trained elsewhere join a line)
 
 configure_environment()

@@ -1,5 +1,5 @@
-"""The release-level commands of `atlas`: update, serve, status, compare, history, rollback, renominate, gate
-(and, from flows/cli_use.py, generate and export)."""
+"""The release-level commands of `atlas`: update, serve, status, compare, history, rollback, renominate, gate,
+submit (and, from flows/cli_use.py, generate and export)."""
 from __future__ import annotations
 
 import argparse
@@ -130,7 +130,8 @@ def cmd_history(args: argparse.Namespace) -> int:
         print(format_history(rows, markdown=args.markdown) if rows else "no releases yet")
         champion = alias_holder(p.ledger, model.id)
         if champion is not None:
-            print(f"\nthe line up to {champion.name}: score matrix R[t][i], OP_t, BWT_t (TRACE), KL vs base\n")
+            print(f"\nthe line up to {champion.name}: score matrix R[t][i], OP_t, BWT_t (TRACE, on one 0-1 scale), "
+                  "KL vs base and vs teacher\n")
             print(line_history(p.ledger, model.id, champion.id).to_markdown())
     finally:
         p.close()
@@ -167,9 +168,70 @@ def cmd_renominate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_submit(args: argparse.Namespace) -> int:
+    from .submit import submit_candidate
+
+    s = submit_candidate(args.source, args.line, parent=args.parent, skill=args.skill, name=args.name,
+                         backbone=args.backbone)
+    if args.json:
+        print(json.dumps(s.__dict__, indent=2))
+        return 0
+    said = "submitted" if s.new else "already submitted (nothing recorded again)"
+    print(f"{s.model}: {said}: {s.version} (#{s.version_id}), a {s.kind} delta on top of {s.parent}, "
+          f"sha256 {s.sha256[:16]}")
+    print(f"next: atlas gate check {s.version} --config CONFIG --policy POLICY [--promote]")
+    return 0
+
+
+def _check_gate_inputs(args: argparse.Namespace) -> None:
+    """The gate check's files, line and version, validated before Prefect starts (exit 2, one line)."""
+    from registry import get_model, model_name_for
+
+    from .config import load_update_config
+    from .gate_check import candidate_version
+
+    _check_cycle_files(args.config, args.policy, line=args.line)
+    cfg = load_update_config(args.config, line=args.line)
+    p = _platform()
+    try:
+        model = get_model(p.ledger, model_name_for(cfg.backbone, cfg.line_name))
+        candidate_version(p.ledger, model.id, args.version, cfg.skill)
+    finally:
+        p.close()
+
+
+def cmd_gate_check(args: argparse.Namespace) -> int:
+    """Exit 0: the version passed (and was promoted with --promote); 1: rejected; 2: bad input."""
+    _check_gate_inputs(args)
+    from .gate_check import gate_candidate
+
+    r = gate_candidate(args.version, config=args.config, policy=args.policy, line=args.line, promote=args.promote)
+    if args.json:
+        print(json.dumps(r.to_dict(), indent=2, default=str))
+    else:
+        verdict = "PASS" if r.passed else "REJECT"
+        moved = f"; promoted: champion is now {r.champion}" if r.promoted else ""
+        print(f"\n{r.model}: {r.version}: {verdict} by policy {r.policy} against {r.against}{moved}")
+        _print_checks(r.checks)
+        print(f"report: {r.report}")
+    return 0 if r.passed else 1
+
+
+def _print_checks(checks) -> None:
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        fmt = lambda v: "missing" if v is None else f"{v:.4g}"  # noqa: E731
+        print(f"  {'ok  ' if c.passed else 'FAIL'} {c.name:{width}s}  measured {fmt(c.measured):>10s}  "
+              f"limit {fmt(c.threshold):>8s}  {c.detail}")
+
+
 def cmd_gate(args: argparse.Namespace) -> int:
     from registry import get_version, latest_gate_decision, resolve_version
 
+    if getattr(args, "gate_command", None) == "check":
+        return cmd_gate_check(args)
+    if args.explain is None:
+        raise ValueError("give --explain VERSION, or `atlas gate check VERSION --config C --policy P`")
     p = _platform()
     try:
         version = resolve_version(p.ledger, _model(p, args).id, args.explain)
@@ -184,11 +246,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
             return 0
         print(f"{version.name}: {'PASS' if decision.passed else 'REJECT'} by policy {decision.policy_name} "
               f"(decision #{decision.id}, {decision.created_at:%Y-%m-%d %H:%M:%S}, measured against {against})")
-        width = max(len(c.name) for c in decision.checks)
-        for c in decision.checks:
-            fmt = lambda v: "missing" if v is None else f"{v:.4g}"  # noqa: E731
-            print(f"  {'ok  ' if c.passed else 'FAIL'} {c.name:{width}s}  measured {fmt(c.measured):>10s}  "
-                  f"limit {fmt(c.threshold):>8s}  {c.detail}")
+        _print_checks(decision.checks)
     finally:
         p.close()
     return 0
@@ -238,10 +296,33 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("version", help="version: name, mlflow:<n> or #<id>")
     p.add_argument("--reason", required=True, help="why (recorded in the ledger)")
     p.set_defaults(func=cmd_renominate)
-    p = sub.add_parser("gate", parents=[common, model], help="explain a version's gate decision check by check")
-    p.add_argument("--explain", required=True, metavar="VERSION", help="version: name, champion, mlflow:<n> or #<id>")
+    p = sub.add_parser("gate", parents=[common, model], help="explain a version's gate decision check by check "
+                       "(--explain), or gate a candidate now (gate check)")
+    p.add_argument("--explain", default=None, metavar="VERSION", help="version: name, champion, mlflow:<n> or #<id>")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_gate)
+    gate_sub = p.add_subparsers(dest="gate_command", metavar="check")
+    check = gate_sub.add_parser("check", help="evaluate a candidate (e.g. a submitted one) against the champion with "
+                                "a policy and record the decision; exit 0 pass, 1 reject, 2 bad input")
+    check.add_argument("version", help="the candidate: a version name, mlflow:<n> or #<id>")
+    check.add_argument("--config", default=DEFAULT_CONFIG, help="update config: the skill, line, retained set "
+                       "(default: %(default)s)")
+    check.add_argument("--policy", default=DEFAULT_POLICY, help="release policy YAML (default: %(default)s)")
+    check.add_argument("--line", default=None, help="override the config's release line")
+    check.add_argument("--promote", action="store_true", help="make it the champion if it passes")
+    check.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("submit", parents=[common], help="record an adapter trained elsewhere (PEFT LoRA folder, delta "
+                       "file, release folder or MLflow model URI) as a candidate version of a line")
+    p.add_argument("source", help="a PEFT adapter folder (save_pretrained), a delta .safetensors with its .json, a "
+                   "release folder, or models:/... / runs:/...")
+    p.add_argument("--line", required=True, help="the line (or registered model name) it joins")
+    p.add_argument("--parent", default="champion", help="the version it was trained on top of: champion (default), "
+                   "base, a version name, mlflow:<n> or #<id>")
+    p.add_argument("--skill", default=None, help="the skill it teaches (default: the line's name)")
+    p.add_argument("--name", default=None, help="the version's name (default: <backbone>-<skill>-<kind>-s0-e0)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_submit)
 
     from .cli_use import add_commands as add_use_commands
 

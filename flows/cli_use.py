@@ -89,6 +89,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from .serving import release_folder
 
+    if args.since is not None and args.format != "peft":
+        raise ValueError(f"--since: only --format peft exports part of a chain, not --format {args.format}")
     target, version = _target(args)
     with release_folder(target, version, args.backbone) as folder:
         release = load_folder(folder, dtype=args.dtype, device=args.device, backbone_loader=load_model)
@@ -97,7 +99,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
             out = save_pyfunc(release, folder, args.out, bundle_backbone=args.bundle_backbone)
         else:
-            out = export(release, folder, args.format, args.out, bundle_backbone=args.bundle_backbone)
+            out = export(release, folder, args.format, args.out, bundle_backbone=args.bundle_backbone, since=args.since)
     print(f"{release.name} ({len(release.chain)} delta(s)) -> {out} [{args.format}]")
     return 0
 
@@ -129,4 +131,6 @@ def add_commands(sub, common: argparse.ArgumentParser, model: argparse.ArgumentP
     p.add_argument("--out", required=True, help="a new (or empty) folder")
     p.add_argument("--bundle-backbone", action="store_true", help="folder, mlflow: copy the backbone's weights in "
                    "too (air-gapped serving)")
+    p.add_argument("--since", default=None, metavar="VERSION", help="peft: only the deltas added after VERSION (a "
+                   "version of the chain), to load on top of load_release(LINE, VERSION).model")
     p.set_defaults(func=cmd_export)

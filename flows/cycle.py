@@ -76,6 +76,7 @@ class CycleContext:
     released: tuple[SkillSpec, ...] = ()  # skills of the champion's chain, minus `skill`
     atlases: tuple[AtlasRef, ...] = ()  # filled in by refresh_atlas, one per residual variant
     flow_run_id: Optional[str] = None
+    lowest_candidate_layer: Optional[int] = None  # a submitted candidate's lowest changed layer (flows/gate_check.py)
 
     @property
     def layer(self) -> int:
@@ -88,9 +89,10 @@ class CycleContext:
 
     @property
     def kl_layer(self) -> int:
-        """Where the KL prefix cache ends: below every layer a delta of this line changes."""
-        lowest = self.champion.lowest_layer
-        return min(self.layer, self.layer if lowest is None else lowest) - 1
+        """Where the KL prefix cache ends: below every layer a delta of this line changes
+        (-1 when one changes layer 0: no prefix, evaluation.kl runs whole forwards)."""
+        lowest = [v for v in (self.champion.lowest_layer, self.lowest_candidate_layer) if v is not None]
+        return min([self.layer, *lowest]) - 1
 
     @property
     def champion_id(self) -> Optional[int]:

@@ -207,8 +207,9 @@ def kl_set(ctx, member: str):
         bb = backbone(ctx.backbone)
         kl = RetainedKL(bb.model, bb.tokenizer, gate_texts(ctx, member), ctx.kl_layer,
                         max_length=ctx.config.retained.kl_max_tokens, progress=False)
-        with phase(f"KL {member} (prefix states)"):
-            kl.use_prefix(_stored_states(("prefix", *_kl_key(ctx, member), _layout(kl)), kl.prefix))
+        if ctx.kl_layer >= 0:  # -1: a delta changes layer 0, whole forwards (evaluation.kl)
+            with phase(f"KL {member} (prefix states)"):
+                kl.use_prefix(_stored_states(("prefix", *_kl_key(ctx, member), _layout(kl)), kl.prefix))
         return kl
 
     return _cached(_kl_key(ctx, member), build)

@@ -59,6 +59,7 @@ from registry.compare import (
 )
 from registry.db import Ledger, LedgerError, default_ledger_url, downgrade, init_db, upgrade
 from registry.lineage import (
+    complete_run_config,
     ensure_backbone,
     ensure_dataset,
     find_atlas,

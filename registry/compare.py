@@ -16,7 +16,7 @@ from registry.db import Ledger, LedgerError
 from registry.lines import base_version, get_model, get_version, list_versions
 from registry.mlflow_bridge import MANAGED_ALIASES, MlflowBridge
 from registry.promotion import alias_holder, list_releases
-from registry.queries import evaluation_extra
+from registry.queries import evaluation_extra, version_source
 from registry.records import AnswerRecord, EvaluationInfo, FlipRates, VersionInfo
 from registry.results import get_answers, latest_evaluation
 from registry.store import atomic_write_text
@@ -60,9 +60,12 @@ class Comparison:
     metrics: list[MetricRow] = field(default_factory=list)
     churn: list[ChurnRow] = field(default_factory=list)  # one per dataset, then "all"
     flips: list[Flip] = field(default_factory=list)
+    source_a: str = "-"  # where each delta came from (registry.queries.version_source)
+    source_b: str = "-"
 
     def to_dict(self) -> dict:
         return {"version_a": self.version_a, "version_b": self.version_b,
+                "source_a": self.source_a, "source_b": self.source_b,
                 "metrics": [{**asdict(m), "delta": m.delta} for m in self.metrics],
                 "churn": [{**asdict(c), "churn": c.churn, "nfr": c.nfr} for c in self.churn],
                 "flips": [asdict(f) for f in self.flips]}
@@ -80,7 +83,8 @@ class Comparison:
                 ("Flipped questions", ["dataset", "question", "kind", "A answer", "B answer"], flip_rows)]
 
     def to_markdown(self) -> str:
-        out = [f"# {self.version_b} vs {self.version_a}", ""]
+        out = [f"# {self.version_b} vs {self.version_a}", "",
+               f"A: {self.source_a}; B: {self.source_b}", ""]
         for title, header, rows in self._tables():
             out += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
             out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
@@ -89,7 +93,7 @@ class Comparison:
 
     def to_table(self) -> str:
         """Fixed-width text for a terminal."""
-        out = [f"A = {self.version_a}", f"B = {self.version_b}", ""]
+        out = [f"A = {self.version_a} ({self.source_a})", f"B = {self.version_b} ({self.source_b})", ""]
         for title, header, rows in self._tables():
             out.append(title)
             out += _text_table(header, rows) if rows else ["  (none)"]
@@ -237,7 +241,8 @@ def compare_versions(ledger: Ledger, version_a: int, version_b: int) -> Comparis
         ma.update({k: 0.0 for k in mb if k.startswith("kl_vs_base[")})
     names = list(dict.fromkeys([*ma, *mb]))
     churn, flips = answer_churn(get_answers(ledger, version_a), get_answers(ledger, version_b))
-    return Comparison(va.name, vb.name, [MetricRow(n, ma.get(n), mb.get(n)) for n in names], churn, flips)
+    return Comparison(va.name, vb.name, [MetricRow(n, ma.get(n), mb.get(n)) for n in names], churn, flips,
+                      version_source(ledger, va), version_source(ledger, vb))
 
 
 @dataclass(frozen=True)
@@ -253,6 +258,7 @@ class HistoryRow:
     nfr_vs_base: Optional[float]
     flow_run_id: Optional[str]
     reason: str
+    source: str = "-"  # trained | submitted ... (registry.queries.version_source)
 
 
 def release_history(ledger: Ledger, model_id: int, alias: Optional[str] = "champion") -> list[HistoryRow]:
@@ -266,14 +272,14 @@ def release_history(ledger: Ledger, model_id: int, alias: Optional[str] = "champ
         rows.append(HistoryRow(r.id, r.created_at.strftime("%Y-%m-%d %H:%M:%S"), r.action, r.alias, v.name, prev,
                                f"{ev.target_solved}/{ev.target_total}" if ev else "-",
                                ev.max_kl("kl_vs_base") if ev else None, churn.nfr if churn else None,
-                               r.flow_run_id, r.reason))
+                               r.flow_run_id, r.reason, version_source(ledger, v)))
     return rows
 
 
 def format_history(rows: list[HistoryRow], markdown: bool = False) -> str:
-    header = ["#", "when", "action", "alias", "version", "previous", "target", "max KL", "NFR", "flow run",
+    header = ["#", "when", "action", "alias", "version", "source", "previous", "target", "max KL", "NFR", "flow run",
               "reason"]
-    cells = [[str(r.release_id), r.when, r.action, r.alias, r.version, r.previous, r.target,
+    cells = [[str(r.release_id), r.when, r.action, r.alias, r.version, r.source, r.previous, r.target,
               _fmt(r.max_kl_vs_base), _fmt(r.nfr_vs_base), r.flow_run_id or "-", r.reason or "-"] for r in rows]
     if not markdown:
         return "\n".join(_text_table(header, cells))

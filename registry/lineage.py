@@ -157,6 +157,18 @@ def _training_parent(s: Session, backbone_id: int, model_id: Optional[int],
     return parent.id
 
 
+def complete_run_config(ledger: Ledger, training_run_id: int, key: str, value: Any) -> None:
+    """Add `key` to a run's stored config once (e.g. the skill spec a submitted adapter was gated
+    for); the same value again is a no-op, another value is refused: a run's config never changes."""
+    with ledger.transaction() as s:
+        row = require_row(s, TrainingRun, training_run_id, "training run")
+        config = dict(row.config)
+        if key in config and config[key] != value:
+            raise LedgerError(f"training run {training_run_id}: its config already records {key} = "
+                              f"{config[key]!r}, not {value!r}")
+        row.config = json_field(config | {key: value}, "training config")
+
+
 def link_mlflow_run(ledger: Ledger, training_run_id: int, mlflow_run_id: str) -> None:
     with ledger.transaction() as s:
         require_row(s, TrainingRun, training_run_id, "training run").mlflow_run_id = mlflow_run_id

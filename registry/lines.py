@@ -151,14 +151,17 @@ def _free_name(session: Session, model_id: int, name: str) -> str:
     return candidate
 
 
-def register_version(ledger: Ledger, checkpoint_id: int) -> VersionInfo:
+def register_version(ledger: Ledger, checkpoint_id: int, name: Optional[str] = None) -> VersionInfo:
     """Make a checkpoint a candidate version of the line its run was trained for (idempotent).
 
     Its parent is the version the run was trained on top of (the line's base version when
     the run names none). A run recorded without a line goes to the line named after its
     skill. The name is `<backbone>-<skill>-<method>-s<seed>-e<epoch>`, with `-r2`, `-r3`, ...
-    when another version of the line (a retrain on another snapshot or parent) has it.
+    when another version of the line (a retrain on another snapshot or parent) has it. A `name`
+    given by a person is used as it is, and refused if another version of the line has it.
     """
+    if name is not None:
+        require_name(name, "version name")
 
     def create() -> VersionInfo:
         with ledger.transaction() as s:
@@ -170,10 +173,12 @@ def register_version(ledger: Ledger, checkpoint_id: int) -> VersionInfo:
                                                       ModelVersion.checkpoint_id == checkpoint_id))
             if row is None:
                 backbone = s.get(Backbone, run.backbone_id)
-                name = f"{short_backbone(backbone.name)}-{run.skill}-{run.method}-s{run.seed}-e{ckpt.epoch}"
+                default = f"{short_backbone(backbone.name)}-{run.skill}-{run.method}-s{run.seed}-e{ckpt.epoch}"
+                if name is not None and _free_name(s, model.id, name) != name:
+                    raise LedgerError(f"version name {name!r} is taken in line {model.name}; choose another")
                 row = ModelVersion(registered_model_id=model.id, checkpoint_id=checkpoint_id,
                                    parent_version_id=run.parent_version_id or base_row(s, model).id,
-                                   name=_free_name(s, model.id, name))
+                                   name=name or _free_name(s, model.id, default))
                 s.add(row)
                 s.flush()
             return version_info(s, row)

@@ -1,5 +1,5 @@
 """The ATLAS residual as a PEFT method: after `import atlas_core` (which registers it as soon as
-PEFT is imported), an exported ATLAS adapter loads like a LoRA:
+PEFT is imported, whichever comes first), an exported ATLAS adapter loads like a LoRA:
 
     from peft import PeftModel
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), "exports/v2-peft")
@@ -42,9 +42,6 @@ def _add_peft_type() -> None:
     PeftType._value2member_map_[member._value_] = member
     PeftType._member_names_.append(member._name_)
     type.__setattr__(PeftType, member._name_, member)
-
-
-_add_peft_type()
 
 
 @dataclass
@@ -153,7 +150,18 @@ class AtlasPeftModel(BaseTuner):
         pass  # the residual keeps fp32 factors and geometry and computes in the input's dtype itself
 
 
-register_peft_method(name=NAME, config_cls=AtlasPeftConfig, model_cls=AtlasPeftModel, prefix="atlas_")
+def register() -> None:
+    """Make ATLAS a PEFT method; idempotent. Runs when this module is imported, which `import
+    atlas_core` arranges for the moment PEFT is imported (see atlas_core._RegisterWithPeft), and
+    which export_peft does itself."""
+    from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
+
+    _add_peft_type()
+    if PeftType.ATLAS not in PEFT_TYPE_TO_TUNER_MAPPING:  # register_peft_method refuses a second time
+        register_peft_method(name=NAME, config_cls=AtlasPeftConfig, model_cls=AtlasPeftModel, prefix="atlas_")
+
+
+register()
 
 
 def save_atlas_adapter(chain, model: nn.Module, base_model: str, out: str | Path) -> None:

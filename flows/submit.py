@@ -1,0 +1,233 @@
+"""submit_candidate: an adapter trained elsewhere joins a line as a candidate version.
+
+    atlas submit DIR --line L [--parent champion|VERSION] [--skill S] [--name N]
+
+The documented way to train on top of a release with your own tools:
+
+    release = load_release("smollm2-135m.assistant", "champion")      # the parent, chain attached
+    model = peft.get_peft_model(release.model, LoraConfig(...))      # or TRL's SFTTrainer
+    ... train ...
+    model.save_pretrained("my-adapter")                              # adapter_config.json + safetensors
+    atlas submit my-adapter --line assistant --skill code            # then: atlas gate check VERSION ...
+
+What can be submitted (`source`):
+- a PEFT LoRA adapter folder (any modules of any layers, per-module rank and alpha): converted to
+  one frozen delta (atlas_core.peft_lora); options the chain cannot apply exactly are refused;
+- the platform's own delta file (`*.safetensors` + its `.json` manifest, any kind);
+- a release folder whose chain is the parent's plus one delta (that delta is submitted);
+- an MLflow model URI (`models:/...`, `runs:/...`) holding either of the folders above.
+
+Everything is checked before anything is written: the adapter's modules and shapes against the
+line's backbone, the backbone's revision and weights against the ledger, the base model name
+and revision the adapter records, and the whole chain (parent + new delta) attached and run
+once. The delta is stored by sha256, recorded as a finished training run of method `<kind>`
+whose config says where it came from (`submitted`: source, sha256), and registered as a version
+whose parent is `parent`. Submitting the same adapter onto the same parent again returns the
+version recorded the first time.
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .config import digest
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A submitted adapter as a candidate version of a line."""
+
+    model: str  # the line's registered model
+    version: str
+    version_id: int
+    parent: str
+    kind: str  # the delta's kind (peft-lora, weight-lora, adapter, ...)
+    sha256: str  # of the submitted weights file
+    new: bool  # False: the same adapter was already submitted onto this parent
+
+
+def submit_candidate(source: str, line: str, parent: str = "champion", skill: Optional[str] = None,
+                     name: Optional[str] = None, backbone: Optional[str] = None) -> Submitted:
+    """Check `source` against the line's backbone and record it as a candidate version on top of `parent`."""
+    from . import runtime
+
+    with runtime.session(), tempfile.TemporaryDirectory(prefix="atlas-submit-") as tmp:
+        model = _line(runtime.ledger(), line, backbone)
+        bb = runtime.load_backbone(model.backbone, "float32")
+        _check_backbone(runtime.ledger(), model, bb)
+        parent_v = _parent(runtime.ledger(), model, parent)
+        applied = runtime.resolve_applied(parent_v)
+        delta_file, kind, origin = _delta_file(source, bb, Path(tmp), applied)
+        delta = _verified_on_chain(delta_file, runtime.chain(applied), bb.model, applied)
+        return _record(runtime.platform(), model, parent_v, delta_file, kind, origin, delta,
+                       skill or model.line, name)
+
+
+def _line(ledger, line: str, backbone: Optional[str]):
+    from atlas_core.backbone import DEFAULT_BACKBONE
+    from registry import LedgerError, get_model, model_name_for
+
+    for candidate in (line, model_name_for(backbone or DEFAULT_BACKBONE, line)):
+        try:
+            return get_model(ledger, candidate)
+        except LedgerError:
+            pass
+    raise LedgerError(f"--line {line!r}: no line of that name (`atlas status` lists them; a line starts with "
+                      "its first `atlas update`)")
+
+
+def _check_backbone(ledger, model, bb) -> None:
+    """The loaded backbone is the one the line was recorded on (revision, and weights where recorded)."""
+    from atlas_core.backbone import weights_sha256
+    from registry import ensure_backbone
+
+    if bb.revision != model.revision:
+        raise ValueError(f"backbone {model.backbone!r} loads at revision {bb.revision}, the line {model.name} "
+                         f"was recorded at {model.revision}")
+    ensure_backbone(ledger, model.backbone, model.revision, weights_sha256(bb.model))  # refuses other weights
+
+
+def _parent(ledger, model, ref: str):
+    from registry import resolve_version
+
+    v = resolve_version(ledger, model.id, ref)
+    if v.status == "retired":
+        raise ValueError(f"--parent {ref!r}: {v.name} was rolled back (retired); re-nominate it first")
+    return v
+
+
+def _delta_file(source: str, bb, tmp: Path, applied) -> tuple[Path, str, dict]:
+    """(a verified delta file with its manifest, its kind, where it came from) for any accepted source."""
+    from atlas_core.io import load_verified
+    from atlas_core.peft_lora import CONFIG_FILE, from_peft_folder
+
+    if source.startswith(("models:/", "runs:/")):
+        folder, kind, origin = _delta_file(str(_downloaded(source, tmp)), bb, tmp, applied)
+        return folder, kind, origin | {"source": source}
+    path = Path(source).expanduser()
+    if path.is_dir() and (path / CONFIG_FILE).is_file():
+        _check_base_name(path, bb)
+        lora_set = from_peft_folder(path, bb.model)
+        out = tmp / "delta.safetensors"
+        lora_set.save(out)
+        return out, lora_set.kind, {"source": str(path.resolve()), "sha256": lora_set.source["weights_sha256"],
+                                    "format": "peft"}
+    if path.is_dir() and (path / "manifest.json").is_file():
+        return _from_release_folder(path, applied)
+    if path.is_file() and path.with_suffix(".json").is_file():
+        _, manifest = load_verified(path)  # sha256 checked against its manifest
+        return path, str(manifest.get("kind")), {"source": str(path.resolve()), "sha256": manifest["sha256"],
+                                                 "format": "delta"}
+    if path.is_dir():
+        raise FileNotFoundError(f"{path}: no {CONFIG_FILE} (a PEFT adapter folder) and no manifest.json "
+                                "(a release folder)")
+    raise FileNotFoundError(f"{source}: expected a PEFT adapter folder, a delta file (.safetensors with its .json "
+                            "manifest), a release folder or an MLflow model URI (models:/..., runs:/...)")
+
+
+def _check_base_name(folder: Path, bb) -> None:
+    """A PEFT adapter names the model it was trained on; where it does, it must be this backbone."""
+    from atlas_core.peft_lora import read_peft_config
+
+    config = read_peft_config(folder)
+    name, known = config.get("base_model_name_or_path"), {bb.name, str(getattr(bb.model, "name_or_path", "") or "")}
+    if name and name not in known:
+        raise ValueError(f"{folder / 'adapter_config.json'}: base_model_name_or_path {name!r} is not the line's "
+                         f"backbone {bb.name!r}; train on load_release(LINE, PARENT).model")
+    revision = config.get("revision")
+    if revision and revision != bb.revision:
+        raise ValueError(f"{folder / 'adapter_config.json'}: revision {revision!r} is not the line's backbone "
+                         f"revision {bb.revision}")
+
+
+def _from_release_folder(folder: Path, applied) -> tuple[Path, str, dict]:
+    """A release folder whose chain is the parent's plus one delta: that delta (verified by sha256)."""
+    from atlas_core.release import MANIFEST, load_chain
+
+    manifest, _ = load_chain(folder)  # every delta and atlas verified against both manifests
+    have = [d["adapter_sha256"] for d in manifest["chain"]]
+    want = [v.adapter_sha256 for v in applied.deltas]
+    if len(have) != len(want) + 1 or have[:-1] != want:
+        raise ValueError(f"{folder / MANIFEST}: its chain ({len(have)} deltas) is not the parent "
+                         f"{applied.version.name}'s ({len(want)} deltas) plus one; submit onto its own parent "
+                         "with --parent")
+    entry = manifest["chain"][-1]
+    if entry.get("atlas_sha256"):
+        raise ValueError(f"{folder / MANIFEST}: its last delta routes with an atlas; ATLAS residuals join a line "
+                         "through `atlas update`, not by submission")
+    path = folder / entry["adapter"]
+    kind = str(_manifest(path).get("kind"))
+    return path, kind, {"source": str(folder.resolve()), "sha256": entry["adapter_sha256"], "format": "release"}
+
+
+def _manifest(path: Path) -> dict:
+    import json
+
+    return json.loads(path.with_suffix(".json").read_text())
+
+
+def _downloaded(uri: str, dest: Path) -> Path:
+    """An MLflow model or run artifact, downloaded; the PEFT or release folder inside it."""
+    from atlas_core.peft_lora import CONFIG_FILE
+
+    from .platform import open_platform
+    from .serving import _download, _unwrapped
+
+    p = open_platform()
+    try:
+        root = _unwrapped(_download(p, uri, dest / "download"))
+    finally:
+        p.close()
+    found = [c.parent for c in root.rglob(CONFIG_FILE)] or [c.parent for c in root.rglob("manifest.json")]
+    if len(found) != 1:
+        raise ValueError(f"{uri}: expected one PEFT adapter folder ({CONFIG_FILE}) or release folder inside, "
+                         f"found {len(found)}")
+    return found[0]
+
+
+@torch.no_grad()
+def _verified_on_chain(path: Path, parent_chain, model, applied):
+    """The delta loaded (sha256 verified), attached after the parent's chain and run once: every
+    module it names must exist with its shapes, and the logits must be finite."""
+    from atlas_core.chain import load_delta
+
+    delta = load_delta(path, lambda sha: None)
+    if delta.kind == "adapter":  # (residuals routed by an atlas were refused above)
+        raise ValueError(f"{path}: ATLAS residuals join a line through `atlas update`, not by submission")
+    try:
+        with parent_chain.then(delta).attached(model):
+            ids = torch.arange(3, 11).unsqueeze(0) % model.config.vocab_size  # (1, 8)
+            logits = model(ids).logits
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(f"{path}: does not apply to the line's backbone after {applied.version.name}: {e}") from None
+    if not torch.isfinite(logits).all():
+        raise ValueError(f"{path}: the model gives non-finite logits with this adapter")
+    return delta
+
+
+def _record(p, model, parent_v, path: Path, kind: str, origin: dict, delta, skill: str, name: Optional[str]) -> Submitted:
+    """Store the delta, record it as a finished run with one checkpoint, register the version."""
+    from registry import (ensure_backbone, end_mlflow_run, find_training_run, log_checkpoint, record_checkpoint,
+                          register_version, run_checkpoints, run_versions, start_training_run)
+
+    ledger = p.ledger
+    backbone_id = ensure_backbone(ledger, model.backbone, model.revision)
+    key = digest(["submitted", origin["sha256"], parent_v.id])
+    found = find_training_run(ledger, backbone_id, skill, kind, 0, key, model_id=model.id)
+    if found is not None and run_versions(ledger, found[0]):
+        v = run_versions(ledger, found[0])[0]
+        return Submitted(model.name, v.name, v.id, parent_v.name, kind, origin["sha256"], new=False)
+    adapter, manifest = p.store.put_file(path), p.store.put_file(path.with_suffix(".json"))
+    config = {"run_key": key, "submitted": origin | {"kind": kind, "layer": getattr(delta, "layer", None)}}
+    run_id = found[0] if found else start_training_run(ledger, backbone_id, skill, kind, 0, config,
+                                                       model_id=model.id, parent_version_id=parent_v.id)
+    ckpt = record_checkpoint(ledger, run_id, 0, 0, adapter, {"manifest_sha256": manifest.sha256})
+    if len(run_checkpoints(ledger, run_id)) == 1:
+        log_checkpoint(ledger, p.bridge, ckpt.id)
+    end_mlflow_run(ledger, p.bridge, run_id, "finished")
+    v = register_version(ledger, ckpt.id, name=name)
+    return Submitted(model.name, v.name, v.id, parent_v.name, kind, origin["sha256"], new=True)
