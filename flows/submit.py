@@ -22,8 +22,8 @@ line's backbone, the backbone's revision and weights against the ledger, the bas
 and revision the adapter records, and the whole chain (parent + new delta) attached and run
 once. The delta is stored by sha256, recorded as a finished training run of method `<kind>`
 whose config says where it came from (`submitted`: source, sha256), and registered as a version
-whose parent is `parent`. Submitting the same adapter onto the same parent again returns the
-version recorded the first time.
+whose parent is `parent`. Submitting the same delta onto the same parent again (in any of the
+forms above) returns the version recorded the first time.
 """
 from __future__ import annotations
 
@@ -58,12 +58,13 @@ def submit_candidate(source: str, line: str, parent: str = "champion", skill: Op
     with runtime.session(), tempfile.TemporaryDirectory(prefix="atlas-submit-") as tmp:
         model = _line(runtime.ledger(), line, backbone)
         bb = runtime.load_backbone(model.backbone, "float32")
-        _check_backbone(runtime.ledger(), model, bb)
+        weights = _check_backbone(model, bb)
         parent_v = _parent(runtime.ledger(), model, parent)
+        _check_name(runtime.ledger(), model, name)
         applied = runtime.resolve_applied(parent_v)
-        delta_file, kind, origin = _delta_file(source, bb, Path(tmp), applied)
+        delta_file, kind, origin = _delta_file(source, bb, Path(tmp), applied, runtime.platform())
         delta = _verified_on_chain(delta_file, runtime.chain(applied), bb.model, applied)
-        return _record(runtime.platform(), model, parent_v, delta_file, kind, origin, delta,
+        return _record(runtime.platform(), model, weights, parent_v, delta_file, kind, origin, delta,
                        skill or model.line, name)
 
 
@@ -80,15 +81,22 @@ def _line(ledger, line: str, backbone: Optional[str]):
                       "its first `atlas update`)")
 
 
-def _check_backbone(ledger, model, bb) -> None:
-    """The loaded backbone is the one the line was recorded on (revision, and weights where recorded)."""
+def _check_backbone(model, bb) -> str:
+    """The loaded backbone is at the line's revision; returns its weights' sha256 (checked against
+    the ledger's, where recorded, as the first step of recording)."""
     from atlas_core.backbone import weights_sha256
-    from registry import ensure_backbone
 
     if bb.revision != model.revision:
         raise ValueError(f"backbone {model.backbone!r} loads at revision {bb.revision}, the line {model.name} "
                          f"was recorded at {model.revision}")
-    ensure_backbone(ledger, model.backbone, model.revision, weights_sha256(bb.model))  # refuses other weights
+    return weights_sha256(bb.model)
+
+
+def _check_name(ledger, model, name: Optional[str]) -> None:
+    from registry import list_versions
+
+    if name is not None and name in {v.name for v in list_versions(ledger, model.id)}:
+        raise ValueError(f"--name {name!r}: a version of {model.name} has that name already; choose another")
 
 
 def _parent(ledger, model, ref: str):
@@ -100,13 +108,13 @@ def _parent(ledger, model, ref: str):
     return v
 
 
-def _delta_file(source: str, bb, tmp: Path, applied) -> tuple[Path, str, dict]:
+def _delta_file(source: str, bb, tmp: Path, applied, platform) -> tuple[Path, str, dict]:
     """(a verified delta file with its manifest, its kind, where it came from) for any accepted source."""
     from atlas_core.io import load_verified
     from atlas_core.peft_lora import CONFIG_FILE, from_peft_folder
 
     if source.startswith(("models:/", "runs:/")):
-        folder, kind, origin = _delta_file(str(_downloaded(source, tmp)), bb, tmp, applied)
+        folder, kind, origin = _delta_file(str(_downloaded(source, tmp, platform)), bb, tmp, applied, platform)
         return folder, kind, origin | {"source": source}
     path = Path(source).expanduser()
     if path.is_dir() and (path / CONFIG_FILE).is_file():
@@ -170,18 +178,13 @@ def _manifest(path: Path) -> dict:
     return json.loads(path.with_suffix(".json").read_text())
 
 
-def _downloaded(uri: str, dest: Path) -> Path:
+def _downloaded(uri: str, dest: Path, platform) -> Path:
     """An MLflow model or run artifact, downloaded; the PEFT or release folder inside it."""
     from atlas_core.peft_lora import CONFIG_FILE
 
-    from .platform import open_platform
     from .serving import _download, _unwrapped
 
-    p = open_platform()
-    try:
-        root = _unwrapped(_download(p, uri, dest / "download"))
-    finally:
-        p.close()
+    root = _unwrapped(_download(platform, uri, dest / "download"))
     found = [c.parent for c in root.rglob(CONFIG_FILE)] or [c.parent for c in root.rglob("manifest.json")]
     if len(found) != 1:
         raise ValueError(f"{uri}: expected one PEFT adapter folder ({CONFIG_FILE}) or release folder inside, "
@@ -209,14 +212,16 @@ def _verified_on_chain(path: Path, parent_chain, model, applied):
     return delta
 
 
-def _record(p, model, parent_v, path: Path, kind: str, origin: dict, delta, skill: str, name: Optional[str]) -> Submitted:
+def _record(p, model, weights: str, parent_v, path: Path, kind: str, origin: dict, delta, skill: str,
+            name: Optional[str]) -> Submitted:
     """Store the delta, record it as a finished run with one checkpoint, register the version."""
+    from atlas_core.io import sha256_file
     from registry import (ensure_backbone, end_mlflow_run, find_training_run, log_checkpoint, record_checkpoint,
                           register_version, run_checkpoints, run_versions, start_training_run)
 
     ledger = p.ledger
-    backbone_id = ensure_backbone(ledger, model.backbone, model.revision)
-    key = digest(["submitted", origin["sha256"], parent_v.id])
+    backbone_id = ensure_backbone(ledger, model.backbone, model.revision, weights)  # refuses other weights
+    key = digest(["submitted", sha256_file(path), parent_v.id])  # the same delta on the same parent: one version
     found = find_training_run(ledger, backbone_id, skill, kind, 0, key, model_id=model.id)
     if found is not None and run_versions(ledger, found[0]):
         v = run_versions(ledger, found[0])[0]

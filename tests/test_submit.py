@@ -243,3 +243,39 @@ def test_gate_check_refuses_bad_input_before_anything_runs(line, tmp_path, capsy
     assert "no-such.yaml" in _refused(capsys, "gate", "check", "x", "--config", line["config"],
                                       "--policy", str(tmp_path / "no-such.yaml"))
     assert ledger_counts(line["state"]) == counts
+
+
+def test_a_lora_only_chain_exports_merged_and_peft_and_every_source_form_is_one_version(line, tmp_path, capsys):
+    """A LoRA submitted onto the base: merged weights and one PEFT adapter give the trained model;
+    the same delta from an MLflow run URI or a release folder is the version already recorded."""
+    import mlflow
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from evaluation.tiny import load_model
+
+    want = train_with_peft(tmp_path / "adapter", version="base")
+    assert atlas("submit", str(tmp_path / "adapter"), "--line", MODEL, "--parent", "base", "--skill", "b",
+                 "--name", "lora-only", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["version"] == "lora-only"
+    assert "has that name already" in _refused(capsys, "submit", str(tmp_path / "adapter"), "--line", MODEL,
+                                                "--parent", line["v1"], "--name", "lora-only")
+    ids = _ids()
+    for fmt in ("merged", "peft"):
+        assert atlas("export", "lora-only", "--model", MODEL, "--format", fmt, "--out", str(tmp_path / fmt)) == 0
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32)
+        torch.testing.assert_close(merged(ids).logits, want, **TOL)
+        peft = PeftModel.from_pretrained(load_model("tiny-llama", "float32").model, tmp_path / "peft")
+        torch.testing.assert_close(peft(ids).logits, want, **TOL)
+
+    with mlflow.start_run() as run:
+        mlflow.log_artifacts(str(tmp_path / "adapter"), "adapter")
+    assert atlas("export", "lora-only", "--model", MODEL, "--format", "folder", "--out", str(tmp_path / "folder")) == 0
+    capsys.readouterr()
+    counts = ledger_counts(line["state"])
+    for source in (f"runs:/{run.info.run_id}/adapter", str(tmp_path / "folder")):
+        assert atlas("submit", source, "--line", MODEL, "--parent", "base", "--skill", "b", "--json") == 0
+        again = json.loads(capsys.readouterr().out)
+        assert again["version"] == "lora-only" and not again["new"], (source, again)
+    assert ledger_counts(line["state"]) == counts
