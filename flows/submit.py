@@ -50,35 +50,48 @@ class Submitted:
     new: bool  # False: the same adapter was already submitted onto this parent
 
 
+@dataclass(frozen=True)
+class _Parent:
+    """What the adapter was trained on top of: a version of the line, or the bare backbone of a
+    line that does not exist yet (created when the adapter is recorded)."""
+
+    name: str
+    version: object  # registry.VersionInfo; None for a new line
+    adapter_sha256s: tuple[str, ...]  # its chain's deltas, oldest first
+    chain: object  # atlas_core.chain.Chain, every delta verified
+
+
 def submit_candidate(source: str, line: str, parent: str = "champion", skill: Optional[str] = None,
                      name: Optional[str] = None, backbone: Optional[str] = None) -> Submitted:
-    """Check `source` against the line's backbone and record it as a candidate version on top of `parent`."""
+    """Check `source` against the line's backbone and record it as a candidate version on top of
+    `parent`. A line that does not exist yet is started on `backbone` (its first adapter sits on the base)."""
+    from atlas_core.backbone import DEFAULT_BACKBONE
+
     from . import runtime
 
     with runtime.session(), tempfile.TemporaryDirectory(prefix="atlas-submit-") as tmp:
         model = _line(runtime.ledger(), line, backbone)
-        bb = runtime.load_backbone(model.backbone, "float32")
+        bb = runtime.load_backbone(model.backbone if model else backbone or DEFAULT_BACKBONE, "float32")
         weights = _check_backbone(model, bb)
-        parent_v = _parent(runtime.ledger(), model, parent)
-        _check_name(runtime.ledger(), model, name)
-        applied = runtime.resolve_applied(parent_v)
-        delta_file, kind, origin = _delta_file(source, bb, Path(tmp), applied, runtime.platform())
-        delta = _verified_on_chain(delta_file, runtime.chain(applied), bb.model, applied)
-        return _record(runtime.platform(), model, weights, parent_v, delta_file, kind, origin, delta,
-                       skill or model.line, name)
+        base = _parent(runtime, model, parent, name)
+        delta_file, kind, origin = _delta_file(source, bb, Path(tmp), base, runtime.platform())
+        delta = _verified_on_chain(delta_file, base, bb.model)
+        return _record(runtime.platform(), model or line, bb, weights, base, delta_file, kind, origin, delta,
+                       skill or (model.line if model else line), name)
 
 
 def _line(ledger, line: str, backbone: Optional[str]):
+    """The line named (registered model name, or a line of `backbone`); None if it does not exist yet."""
     from atlas_core.backbone import DEFAULT_BACKBONE
-    from registry import LedgerError, get_model, model_name_for
+    from registry import LedgerError, get_model, model_name_for, require_name
 
     for candidate in (line, model_name_for(backbone or DEFAULT_BACKBONE, line)):
         try:
             return get_model(ledger, candidate)
         except LedgerError:
             pass
-    raise LedgerError(f"--line {line!r}: no line of that name (`atlas status` lists them; a line starts with "
-                      "its first `atlas update`)")
+    require_name(line, "--line")  # a new line: its name must be one the ledger takes
+    return None
 
 
 def _check_backbone(model, bb) -> str:
@@ -86,35 +99,37 @@ def _check_backbone(model, bb) -> str:
     the ledger's, where recorded, as the first step of recording)."""
     from atlas_core.backbone import weights_sha256
 
-    if bb.revision != model.revision:
+    if model is not None and bb.revision != model.revision:
         raise ValueError(f"backbone {model.backbone!r} loads at revision {bb.revision}, the line {model.name} "
                          f"was recorded at {model.revision}")
     return weights_sha256(bb.model)
 
 
-def _check_name(ledger, model, name: Optional[str]) -> None:
-    from registry import list_versions
+def _parent(runtime, model, ref: str, name: Optional[str]) -> _Parent:
+    """The parent version, checked (active; the new version's name free), its chain verified."""
+    from atlas_core.chain import Chain
+    from registry import list_versions, resolve_version
 
-    if name is not None and name in {v.name for v in list_versions(ledger, model.id)}:
-        raise ValueError(f"--name {name!r}: a version of {model.name} has that name already; choose another")
-
-
-def _parent(ledger, model, ref: str):
-    from registry import resolve_version
-
-    v = resolve_version(ledger, model.id, ref)
+    if model is None:
+        if ref not in ("base", "champion"):
+            raise ValueError(f"--parent {ref!r}: the line has no versions yet; its first adapter sits on the base")
+        return _Parent("base", None, (), Chain([]))
+    v = resolve_version(runtime.ledger(), model.id, ref)
     if v.status == "retired":
         raise ValueError(f"--parent {ref!r}: {v.name} was rolled back (retired); re-nominate it first")
-    return v
+    if name is not None and name in {x.name for x in list_versions(runtime.ledger(), model.id)}:
+        raise ValueError(f"--name {name!r}: a version of {model.name} has that name already; choose another")
+    applied = runtime.resolve_applied(v)
+    return _Parent(v.name, v, tuple(d.adapter_sha256 for d in applied.deltas), runtime.chain(applied))
 
 
-def _delta_file(source: str, bb, tmp: Path, applied, platform) -> tuple[Path, str, dict]:
+def _delta_file(source: str, bb, tmp: Path, parent: _Parent, platform) -> tuple[Path, str, dict]:
     """(a verified delta file with its manifest, its kind, where it came from) for any accepted source."""
     from atlas_core.io import load_verified
     from atlas_core.peft_lora import CONFIG_FILE, from_peft_folder
 
     if source.startswith(("models:/", "runs:/")):
-        folder, kind, origin = _delta_file(str(_downloaded(source, tmp, platform)), bb, tmp, applied, platform)
+        folder, kind, origin = _delta_file(str(_downloaded(source, tmp, platform)), bb, tmp, parent, platform)
         return folder, kind, origin | {"source": source}
     path = Path(source).expanduser()
     if path.is_dir() and (path / CONFIG_FILE).is_file():
@@ -125,7 +140,7 @@ def _delta_file(source: str, bb, tmp: Path, applied, platform) -> tuple[Path, st
         return out, lora_set.kind, {"source": str(path.resolve()), "sha256": lora_set.source["weights_sha256"],
                                     "format": "peft"}
     if path.is_dir() and (path / "manifest.json").is_file():
-        return _from_release_folder(path, applied)
+        return _from_release_folder(path, parent)
     if path.is_file() and path.with_suffix(".json").is_file():
         _, manifest = load_verified(path)  # sha256 checked against its manifest
         return path, str(manifest.get("kind")), {"source": str(path.resolve()), "sha256": manifest["sha256"],
@@ -152,17 +167,16 @@ def _check_base_name(folder: Path, bb) -> None:
                          f"revision {bb.revision}")
 
 
-def _from_release_folder(folder: Path, applied) -> tuple[Path, str, dict]:
+def _from_release_folder(folder: Path, parent: _Parent) -> tuple[Path, str, dict]:
     """A release folder whose chain is the parent's plus one delta: that delta (verified by sha256)."""
     from atlas_core.release import MANIFEST, load_chain
 
     manifest, _ = load_chain(folder)  # every delta and atlas verified against both manifests
     have = [d["adapter_sha256"] for d in manifest["chain"]]
-    want = [v.adapter_sha256 for v in applied.deltas]
-    if len(have) != len(want) + 1 or have[:-1] != want:
+    if len(have) != len(parent.adapter_sha256s) + 1 or tuple(have[:-1]) != parent.adapter_sha256s:
         raise ValueError(f"{folder / MANIFEST}: its chain ({len(have)} deltas) is not the parent "
-                         f"{applied.version.name}'s ({len(want)} deltas) plus one; submit onto its own parent "
-                         "with --parent")
+                         f"{parent.name}'s ({len(parent.adapter_sha256s)} deltas) plus one; submit onto its own "
+                         "parent with --parent")
     entry = manifest["chain"][-1]
     if entry.get("atlas_sha256"):
         raise ValueError(f"{folder / MANIFEST}: its last delta routes with an atlas; ATLAS residuals join a line "
@@ -193,7 +207,7 @@ def _downloaded(uri: str, dest: Path, platform) -> Path:
 
 
 @torch.no_grad()
-def _verified_on_chain(path: Path, parent_chain, model, applied):
+def _verified_on_chain(path: Path, parent: _Parent, model):
     """The delta loaded (sha256 verified), attached after the parent's chain and run once: every
     module it names must exist with its shapes, and the logits must be finite."""
     from atlas_core.chain import load_delta
@@ -202,25 +216,30 @@ def _verified_on_chain(path: Path, parent_chain, model, applied):
     if delta.kind == "adapter":  # (residuals routed by an atlas were refused above)
         raise ValueError(f"{path}: ATLAS residuals join a line through `atlas update`, not by submission")
     try:
-        with parent_chain.then(delta).attached(model):
+        with parent.chain.then(delta).attached(model):
             ids = torch.arange(3, 11).unsqueeze(0) % model.config.vocab_size  # (1, 8)
             logits = model(ids).logits
     except (ValueError, RuntimeError) as e:
-        raise ValueError(f"{path}: does not apply to the line's backbone after {applied.version.name}: {e}") from None
+        raise ValueError(f"{path}: does not apply to the line's backbone after {parent.name}: {e}") from None
     if not torch.isfinite(logits).all():
         raise ValueError(f"{path}: the model gives non-finite logits with this adapter")
     return delta
 
 
-def _record(p, model, weights: str, parent_v, path: Path, kind: str, origin: dict, delta, skill: str,
+def _record(p, model, bb, weights: str, parent: _Parent, path: Path, kind: str, origin: dict, delta, skill: str,
             name: Optional[str]) -> Submitted:
-    """Store the delta, record it as a finished run with one checkpoint, register the version."""
+    """Store the delta, record it as a finished run with one checkpoint, register the version
+    (`model`: the line, or the name of a line to start on `bb`)."""
     from atlas_core.io import sha256_file
-    from registry import (ensure_backbone, end_mlflow_run, find_training_run, log_checkpoint, record_checkpoint,
-                          register_version, run_checkpoints, run_versions, start_training_run)
+    from registry import (base_version, end_mlflow_run, ensure_backbone, ensure_model, find_training_run,
+                          log_checkpoint, record_checkpoint, register_version, run_checkpoints, run_versions,
+                          start_training_run)
 
     ledger = p.ledger
+    if isinstance(model, str):  # a new line: the backbone, the line and its base version, get-or-create
+        model = ensure_model(ledger, ensure_backbone(ledger, bb.name, bb.revision, weights), model)
     backbone_id = ensure_backbone(ledger, model.backbone, model.revision, weights)  # refuses other weights
+    parent_v = parent.version or base_version(ledger, model.id)
     key = digest(["submitted", sha256_file(path), parent_v.id])  # the same delta on the same parent: one version
     found = find_training_run(ledger, backbone_id, skill, kind, 0, key, model_id=model.id)
     if found is not None and run_versions(ledger, found[0]):

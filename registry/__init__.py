@@ -129,6 +129,7 @@ from registry.records import (
     ReleaseInfo,
     VersionInfo,
 )
+from registry.rows import require_name
 from registry.results import (
     get_answers,
     latest_evaluation,

@@ -219,7 +219,7 @@ def test_bad_submissions_get_one_line_and_write_nothing(line, tmp_path, capsys):
     delta.write_bytes(bytes(raw))
     assert "sha256 mismatch" in _refused(capsys, "submit", str(delta), "--line", MODEL)
 
-    assert "no line" in _refused(capsys, "submit", str(good), "--line", "nope")
+    assert "--line: expected letters" in _refused(capsys, "submit", str(good), "--line", "no such/line")
     assert "matches 0 versions" in _refused(capsys, "submit", str(good), "--line", MODEL, "--parent", "v9")
     assert ledger_counts(line["state"]) == counts
     assert sorted((line["state"] / "artifacts").rglob("*")) == stored
@@ -279,3 +279,17 @@ def test_a_lora_only_chain_exports_merged_and_peft_and_every_source_form_is_one_
         again = json.loads(capsys.readouterr().out)
         assert again["version"] == "lora-only" and not again["new"], (source, again)
     assert ledger_counts(line["state"]) == counts
+
+
+def test_the_first_adapter_of_a_new_line_starts_it_on_the_base(line, tmp_path, capsys):
+    from flows import load_release
+
+    want = train_with_peft(tmp_path / "adapter", version="base")
+    assert "first adapter sits on the base" in _refused(capsys, "submit", str(tmp_path / "adapter"), "--backbone",
+                                                        "tiny-llama", "--line", "fresh", "--parent", "v1")
+    assert atlas("submit", str(tmp_path / "adapter"), "--backbone", "tiny-llama", "--line", "fresh", "--json") == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["model"] == "tiny-llama.fresh" and made["parent"] == "tiny-llama-base" and made["new"]
+    with torch.no_grad():
+        got = load_release("tiny-llama.fresh", made["version"], dtype="float32").model(_ids()).logits
+    torch.testing.assert_close(got, want, **TOL)
