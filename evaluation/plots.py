@@ -1,4 +1,4 @@
-"""Figures for reports: the KL-vs-target trade-off and churn bars, saved as PNG (Agg backend)."""
+"""Figures for reports: the KL-vs-target trade-off, churn bars and a line's history, saved as PNG (Agg backend)."""
 from __future__ import annotations
 
 import io
@@ -109,24 +109,30 @@ def churn_bars(churn_by_model: Mapping[str, Mapping[str, float]], path: str | Pa
     return _save(fig, path)
 
 
-def line_history_plot(releases: Sequence[str], skills: Sequence[str], scores: Sequence[Sequence[float | None]],
-                      kl_vs_base: Sequence[Mapping[str, float | None]], path: str | Path) -> Path:
-    """A release line across releases t = 0..T: each skill's score (left; the skill's own
-    units) and the retained KL vs the base per domain (right)."""
+def history_figure(releases: Sequence[str], panels: Sequence[tuple[str, str, Mapping[str, Sequence[float | None]]]]
+                   ) -> plt.Figure:
+    """A release line across releases t = 0..T: one axis per panel (title, y label, series label ->
+    a value per release, None where nothing was measured), so each axis carries one unit only."""
     t = list(range(len(releases)))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11.0, 4.0))
-    for i, skill in enumerate(skills):
-        points = [(x, row[i]) for x, row in zip(t, scores) if row[i] is not None]
-        if points:
-            left.plot(*zip(*points), marker="o", label=skill)
-    left.set(xlabel="release t", ylabel="score R[t][i]", title="Skills across releases")
-    for domain in sorted({d for row in kl_vs_base for d in row}):
-        points = [(x, row[domain]) for x, row in zip(t, kl_vs_base) if row.get(domain) is not None]
-        if points:
-            right.plot(*zip(*points), marker="o", label=domain)
-    right.set(xlabel="release t", ylabel="nats/token", title="Retained KL vs the base")
-    for ax in (left, right):
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.0 * cols, 3.8 * rows), squeeze=False)
+    for ax, (title, ylabel, series) in zip(axes.flat, panels):
+        for label, values in series.items():
+            points = [(x, v) for x, v in zip(t, values) if v is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=label)
+        ax.set(xlabel="release t", ylabel=ylabel, title=title)
         ax.set_xticks(t, [f"{x}" for x in t])
         if ax.get_legend_handles_labels()[0]:
-            ax.legend()
-    return _save(fig, path)
+            ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        fig.delaxes(ax)
+    fig.tight_layout()
+    return fig
+
+
+def line_history_plot(releases: Sequence[str], panels: Sequence[tuple[str, str, Mapping[str, Sequence[float | None]]]],
+                      path: str | Path) -> Path:
+    """history.png: `history_figure` saved (the panels of flows.history.LineHistory.panels)."""
+    return _save(history_figure(releases, panels), path)

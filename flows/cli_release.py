@@ -27,10 +27,10 @@ def _check_cycle_files(config: str, policy: str, backbone: str | None = None, sk
     """A cycle's config, policy and snapshot (the `update` flow's parameters), validated before
     Prefect starts: a typo is reported at once, and nothing is opened or written."""
     from .config import load_update_config
-    from .policy import load_policy
+    from .policy import load_cycle_policy
     from .skills import resolve_snapshot
 
-    load_policy(policy, load_update_config(config, backbone=backbone, skill=skill, line=line).domain_names)
+    load_cycle_policy(policy, load_update_config(config, backbone=backbone, skill=skill, line=line))
     if snapshot is not None:
         resolve_snapshot(snapshot)
 

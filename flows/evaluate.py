@@ -18,6 +18,7 @@ from dataclasses import asdict, replace
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from . import kl_tail
 from .cycle import Applied, CycleContext
 from .gates import CandidateMetrics, Flips, Regression
 from .retries import transient_only
@@ -110,16 +111,21 @@ def score_of(scorer, answers: Answers) -> float:
 
 def regression(scorer, reference: Answers, new: Answers) -> Regression:
     """Paired per-problem drop of a released skill's score (reference minus new, signed so that
-    > 0 is worse whether the scorer's higher or lower values are better)."""
-    from statistics import fmean, pstdev
+    > 0 is worse whether the scorer's higher or lower values are better): its mean and sample sd,
+    and for a pass/fail scorer (values 0/1) the exact counts of problems lost and gained."""
+    from statistics import fmean, stdev
 
+    from .gates import PASS_FAIL, regression_kind
+
+    kind = regression_kind(scorer)
     sign = 1.0 if scorer.higher_is_better else -1.0
     ref, got = problem_scores(scorer, reference), problem_scores(scorer, new)
     drops = [sign * (ref[q].value - got[q].value) for q in ref if q in got]
     if not drops:
-        return Regression(0, None, None, None, None)
+        return Regression(0, None, None, None, None, kind)
+    counts = (sum(d > 0 for d in drops), sum(d < 0 for d in drops)) if kind == PASS_FAIL else (None, None)
     return Regression(len(drops), score_of(scorer, reference), score_of(scorer, new), fmean(drops),
-                      pstdev(drops) if len(drops) > 1 else 0.0)
+                      stdev(drops) if len(drops) > 1 else None, kind, *counts)
 
 
 def flips(reference: Answers, new: Answers) -> Flips:
@@ -133,13 +139,30 @@ def flips(reference: Answers, new: Answers) -> Flips:
 
 
 @task(cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1, retry_condition_fn=transient_only)
-def kl_against(ctx: CycleContext, applied: Applied, refs: list[Applied]) -> list[dict[str, float]]:
-    """Retained KL(ref || version) per member of the retained set, nats/token, for each reference
-    (the version's forward runs once for all of them)."""
+def kl_against(ctx: CycleContext, applied: Applied, refs: list[Applied],
+               teachers: dict[str, Applied] | None = None) -> list[dict]:
+    """Retained KL(ref || version) per member of the retained set (evaluation.kl.KLResult: the mean
+    in nats/token and each context's), for each reference, then one more dict: KL vs each member's
+    own reference in `teachers` (released skill -> the release that taught it) on that member's
+    contexts. The version's forward runs once per member for all of them; a teacher that is also
+    in `refs` (the champion) is measured once."""
     from .runtime import retained_kl
 
-    per_member = {m: retained_kl(ctx, applied, refs, m) for m in ctx.members}
-    return [{m: values[j] for m, values in per_member.items()} for j in range(len(refs))]
+    teachers = teachers or {}
+    per_member = {m: retained_kl(ctx, applied, [*refs, *([teachers[m]] if m in teachers else [])], m)
+                  for m in ctx.members}
+    by_ref = [{m: values[j] for m, values in per_member.items()} for j in range(len(refs))]
+    return [*by_ref, {m: per_member[m][len(refs)] for m in teachers if m in per_member}]
+
+
+def teachers(ctx: CycleContext) -> dict[str, Applied]:
+    """Each released skill's teaching release: the newest version of the champion's chain that
+    taught it (the one whose spec `ctx.released` keeps), applied as its own chain."""
+    from .runtime import resolve_applied
+
+    released = {s.name for s in ctx.released}
+    newest = {v.skill: v for v in ctx.champion.deltas if v.skill in released}  # later versions overwrite
+    return {name: resolve_applied(v) for name, v in newest.items()}
 
 
 def all_answers(ctx: CycleContext, applied: Applied) -> dict[str, Answers]:
@@ -156,7 +179,7 @@ def released_regressions(ctx: CycleContext, champ: dict[str, Answers], mine: dic
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
-def record_candidate(ctx: CycleContext, m: CandidateMetrics) -> int:
+def record_candidate(ctx: CycleContext, m: CandidateMetrics, kl_vs_teacher: dict[str, float] | None = None) -> int:
     """Store the evaluation (NaN/inf kept readable in `extra`, since the ledger stores only finite
     numbers) and log its numbers to the version's MLflow run at its training step."""
     from registry import ChurnCounts, DomainKL, EvaluationRecord, ensure_mlflow_run, get_version, record_evaluation
@@ -175,7 +198,9 @@ def record_candidate(ctx: CycleContext, m: CandidateMetrics) -> int:
                                "champion_solved": m.champion_solved,
                                "released": {k: asdict(r) for k, r in m.released.items()},
                                "target_score": ok(m.target_score), "champion_score": ok(m.champion_score),
-                               "higher_is_better": m.higher_is_better}, ctx.flow_run_id)
+                               "higher_is_better": m.higher_is_better,
+                               "kl_vs_teacher": {k: ok(v) for k, v in (kl_vs_teacher or {}).items()}}
+                              | kl_tail.to_extra(m.kl_tail, m.kl_top_contexts), ctx.flow_run_id)
     evaluation_id = record_evaluation(ledger(), record)
     numbers = {"target_solved": m.target_solved, "csqa_choice_churn": m.csqa_choice_churn}
     numbers |= {f"{k}_{d}": v for k in ("kl_vs_base", "kl_vs_champion") for d, v in getattr(m, k).items()}
@@ -183,6 +208,10 @@ def record_candidate(ctx: CycleContext, m: CandidateMetrics) -> int:
     bridge = platform().bridge
     run_id = ensure_mlflow_run(ledger(), bridge, get_version(ledger(), m.version_id).training_run_id)
     bridge.log_metrics(run_id, {k: v for k, v in numbers.items() if ok(v) is not None}, m.step)
+    # The run's versions share one table (MLflow appends); each row names its version and evaluation.
+    moved = [{"version": m.name, "evaluation_id": evaluation_id} | row for row in kl_tail.rows(m.kl_top_contexts)]
+    if moved:
+        bridge.log_table(run_id, moved, "kl_top_contexts.json")
     return evaluation_id
 
 
@@ -210,12 +239,17 @@ def stored_metrics(ctx: CycleContext, version) -> CandidateMetrics | None:
     kl = lambda which, attr: {k.domain: nan.get(f"{which}[{k.domain}]", getattr(k, attr)) for k in ev.kl}  # noqa: E731
     fl = lambda against: {c.domain: Flips(c.n, c.flips_f, c.flips_g, c.flips_w) for c in ev.churn  # noqa: E731
                           if c.against == against}
+    released = {k: Regression(**r) for k, r in extra.get("released", {}).items()}
+    if any(r.kind is None for r in released.values()):
+        return None  # stored by older code without the exact paired counts: measured again (answers are stored)
+    tails, moved = kl_tail.from_extra(extra)  # empty when stored by older code: a tail limit fails closed
     return CandidateMetrics(version.id, version.name, version.method, version.seed, version.epoch, version.step,
                             ev.target_solved, ev.target_total, extra.get("champion_solved"),
                             kl("kl_vs_base", "kl_vs_base"), kl("kl_vs_champion", "kl_vs_release"),
                             fl("base"), fl("release"), ev.csqa_choice_churn,
-                            {k: Regression(**r) for k, r in extra.get("released", {}).items()}, ev.id,
-                            extra.get("target_score"), extra.get("champion_score"), extra.get("higher_is_better", True))
+                            released, ev.id,
+                            extra.get("target_score"), extra.get("champion_score"), extra.get("higher_is_better", True),
+                            kl_tail=tails, kl_top_contexts=moved)
 
 
 @flow(name="evaluate_candidate", validate_parameters=True)
@@ -223,7 +257,7 @@ def evaluate_candidate(ctx: CycleContext, version_id: int) -> CandidateMetrics:
     """All gate metrics of one candidate version against the champion and the base model, recorded."""
     from registry import get_version
 
-    from .runtime import ledger, resolve_applied
+    from .runtime import gate_texts, ledger, resolve_applied
 
     version = get_version(ledger(), version_id)
     found = stored_metrics(ctx, version)
@@ -234,15 +268,19 @@ def evaluate_candidate(ctx: CycleContext, version_id: int) -> CandidateMetrics:
     watched = [k for k in mine if k in ("gsm8k", "csqa")]  # domains whose answers have churn / NFR
     choice = flips(champ["csqa"], mine["csqa"]).churn if "csqa" in mine else None
     target = scorer_for(ctx, "target")
+    kl = kl_against(ctx, applied, [base, champion], teachers(ctx))
+    vs_base, vs_champion, vs_teacher = ({member: r.mean for member, r in results.items()} for results in kl)
+    tails, moved = kl_tail.summarise({"vs_base": {member: r.per_context for member, r in kl[0].items()},
+                                      "vs_champion": {member: r.per_context for member, r in kl[1].items()}},
+                                     lambda member: gate_texts(ctx, member))
     m = CandidateMetrics(version.id, version.name, version.method, version.seed, version.epoch, version.step,
-                         solved(mine), len(mine["target"]), solved(champ),
-                         *kl_against(ctx, applied, [base, champion]),
+                         solved(mine), len(mine["target"]), solved(champ), vs_base, vs_champion,
                          {k: flips(base_ans[k], mine[k]) for k in watched},
                          {k: flips(champ[k], mine[k]) for k in watched}, choice,
                          released_regressions(ctx, champ, mine),
                          target_score=score_of(target, mine["target"]), champion_score=score_of(target, champ["target"]),
-                         higher_is_better=target.higher_is_better)
-    return replace(m, evaluation_id=record_candidate(ctx, m))
+                         higher_is_better=target.higher_is_better, kl_tail=tails, kl_top_contexts=moved)
+    return replace(m, evaluation_id=record_candidate(ctx, m, vs_teacher))
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)

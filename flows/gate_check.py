@@ -74,7 +74,7 @@ def gate_candidate(version: str, config: str = DEFAULT_CONFIG, policy: str = DEF
 
     from .config import load_update_config
     from .evaluate import evaluate_candidate, record_base
-    from .policy import load_policy
+    from .policy import load_cycle_policy
     from .release import gate, promote as promote_flow
     from .runtime import ledger, resolve_applied, session
     from .update import _Clock, publish_report, resolve_lineage
@@ -82,7 +82,7 @@ def gate_candidate(version: str, config: str = DEFAULT_CONFIG, policy: str = DEF
     cfg = load_update_config(config, line=line)
     with session():
         clock = _Clock()
-        ctx = resolve_lineage(cfg, load_policy(policy, cfg.domain_names), flow_run.id)
+        ctx = resolve_lineage(cfg, load_cycle_policy(policy, cfg), flow_run.id)
         v = candidate_version(ledger(), ctx.model.id, version, ctx.skill.name)
         ctx = replace(ctx, lowest_candidate_layer=resolve_applied(v).lowest_layer)
         if "skill" not in training_run_config(ledger(), v.training_run_id):  # submitted: what it was gated for

@@ -13,7 +13,10 @@ from typing import Optional
 
 from registry import GateCheckRecord
 
-from .policy import ANSWERED, RELEASED, ReleasePolicy
+from evaluation.stats import clopper_pearson_upper, mcnemar_exact_p, t_upper
+
+from .kl_tail import KLTail, MovedContext
+from .policy import ANSWERED, CONTINUOUS, PASS_FAIL, RELEASED, NoRegression, ReleasePolicy
 
 KL_TOLERANCE = 1e-6  # KL is >= 0 in exact arithmetic; fp32 rounding can dip a hair below
 
@@ -32,24 +35,42 @@ class Flips:
         return (self.F + self.G + self.W) / self.n if self.n else math.nan
 
 
+def regression_kind(scorer) -> str:
+    """PASS_FAIL for a 'sum' scorer (its per-problem values are 1 solved / 0 not: evaluation/
+    scorer_base.py), CONTINUOUS for a 'mean' one (e.g. reference-nll's nats/token)."""
+    return PASS_FAIL if scorer.aggregate == "sum" else CONTINUOUS
+
+
 @dataclass(frozen=True)
 class Regression:
     """A released skill's score, candidate against champion, problem by problem (spec: no-regression).
 
-    `mean_drop` / `sd_drop` are the mean and standard deviation over the n shared problems of
-    (champion's value - candidate's value), value = 1 for a solved problem: > 0 means worse."""
+    Over the n shared problems, drop = champion's value - candidate's value, signed so that > 0
+    is worse. `mean_drop` / `sd_drop`: its mean and SAMPLE standard deviation (None below 2).
+    Pass/fail skills also carry the exact paired counts: `lost` (champion solved, candidate not)
+    and `gained` (the reverse); the gate judges them by the Clopper-Pearson bound of lost/n.
+
+    Evaluations stored by older code hold only the first five fields: they still load, with
+    `kind` None, and are re-judged fail closed (the gate rejects them; `stored_metrics` treats
+    them as not stored, so a cycle measures them again from the stored answers)."""
 
     n: int
     champion_score: Optional[float]
     score: Optional[float]
     mean_drop: Optional[float]
     sd_drop: Optional[float]
+    kind: Optional[str] = None  # PASS_FAIL | CONTINUOUS; None: stored before the exact counts were
+    lost: Optional[int] = None
+    gained: Optional[int] = None
 
     def upper(self, confidence: float) -> float:
-        """One-sided upper confidence bound of the mean drop (normal approximation)."""
-        from statistics import NormalDist
-
-        return self.mean_drop + NormalDist().inv_cdf(confidence) * self.sd_drop / math.sqrt(self.n)
+        """One-sided upper bound of the loss: pass/fail: Clopper-Pearson of lost/n; continuous:
+        Student t of the mean drop. NaN when it cannot be computed (fail closed)."""
+        if self.kind == PASS_FAIL:
+            return clopper_pearson_upper(self.lost, self.n, confidence)
+        if self.kind == CONTINUOUS and self.mean_drop is not None and self.sd_drop is not None:
+            return t_upper(self.mean_drop, self.sd_drop, self.n, confidence)
+        return math.nan
 
 
 @dataclass
@@ -76,6 +97,10 @@ class CandidateMetrics:
     target_score: Optional[float] = None
     champion_score: Optional[float] = None
     higher_is_better: bool = True
+    # Per-context retained KL beyond the mean (flows/kl_tail.py), "vs_champion" / "vs_base" -> member -> its
+    # tail, and the contexts that moved most. Empty when stored by older code: a tail limit then fails closed.
+    kl_tail: dict[str, dict[str, KLTail]] = field(default_factory=dict)
+    kl_top_contexts: dict[str, dict[str, list[MovedContext]]] = field(default_factory=dict)
 
     def mean_kl(self, which: str) -> float:
         values = list(getattr(self, which).values())
@@ -147,9 +172,67 @@ def kl_checks(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[list
     return out
 
 
+def kl_tail_checks(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[list[str]] = None) -> list[GateCheckRecord]:
+    """The policy's optional limits on the tail of per-context KL (p95, p99, max over a member's
+    contexts: flows/kl_tail.py): on the watched domains it names, vs champion and vs base, and on
+    every released skill vs the champion (key 'released': those not named). Unlike the mean's
+    limits a domain without one is not checked; a limit whose tail was not measured fails."""
+    out = []
+    for against, limits in (("vs_champion", policy.max_kl_tail_vs_champion), ("vs_base", policy.max_kl_tail_vs_base)):
+        members = [(d, stats) for d, stats in sorted(limits.items())
+                   if d != RELEASED and d not in c.released and (domains is None or d in domains)]
+        if against == "vs_champion":
+            members += [(skill, limits.get(skill, limits.get(RELEASED, {}))) for skill in sorted(c.released)]
+        for member, stats in members:
+            tail = c.kl_tail.get(against, {}).get(member)
+            detail = (f"over {tail.contexts} contexts, nats/token" if tail is not None
+                      else "(no per-context KL stored with this evaluation)")
+            for stat, limit in stats.items():
+                out.append(_upper_check(f"kl_{stat}_{against}[{member}]", limit,
+                                        None if tail is None else getattr(tail, stat), -KL_TOLERANCE, detail=detail))
+    return out
+
+
+def _count(v) -> bool:
+    return isinstance(v, Integral) and not isinstance(v, bool)
+
+
+def _num(v) -> str:
+    return f"{v:g}" if _finite(v) else str(v)
+
+
+def regression_check(name: str, r: Regression, limits: NoRegression) -> GateCheckRecord:
+    """One released skill against its tolerance. Pass/fail: the exact (Clopper-Pearson) upper
+    bound of lost/n; continuous: mean + t * sample sd / sqrt(n). Unknown kind, no shared problems,
+    impossible counts, or a tolerance no outcome could meet at this n: rejected, saying which."""
+    tol, conf = limits.tolerance, limits.confidence
+    if r.kind not in (PASS_FAIL, CONTINUOUS):
+        return GateCheckRecord(name, tol, None, False, "missing: stored without the exact paired counts "
+                                                       "(evaluated by an older version); evaluate it again")
+    if not _count(r.n) or r.n <= 0:
+        return GateCheckRecord(name, tol, None, False, f"missing: no shared problems scored (n={r.n})")
+    scores = f"score {_num(r.score)} vs champion {_num(r.champion_score)}"
+    if r.kind == PASS_FAIL:
+        if not (_count(r.lost) and _count(r.gained) and r.lost >= 0 and r.gained >= 0 and r.lost + r.gained <= r.n):
+            return GateCheckRecord(name, tol, math.nan, False,
+                                   f"out of range: lost={r.lost}, gained={r.gained} of n={r.n}")
+        detail = (f"Clopper-Pearson {conf:.0%} upper bound of the share lost; lost {r.lost}, gained {r.gained} "
+                  f"on {r.n} problems (exact McNemar p={mcnemar_exact_p(r.lost, r.gained):.3g}); {scores}")
+        low, high = 0.0, 1.0
+    else:
+        detail = (f"t {conf:.0%} upper bound of the mean drop per problem (mean {_num(r.mean_drop)}, sample sd "
+                  f"{_num(r.sd_drop)}) on {r.n} problems; {scores}")
+        low, high = -math.inf, math.inf
+    upper = r.upper(conf)
+    unprovable = limits.infeasible(r.kind, r.n)
+    if unprovable:
+        return GateCheckRecord(name, tol, upper if math.isfinite(upper) else None, False, f"{unprovable}; {detail}")
+    return _upper_check(name, tol, upper, low, high, detail)
+
+
 def no_regression_checks(c: CandidateMetrics, policy: ReleasePolicy) -> list[GateCheckRecord]:
-    """Every released skill keeps its target score: the one-sided upper bound of the mean
-    per-problem drop against the champion must not exceed the skill's tolerance."""
+    """Every released skill keeps its target score: the one-sided upper bound of its loss
+    against the champion (regression_check) must not exceed the skill's tolerance."""
     out = []
     for skill, r in sorted(c.released.items()):
         limits = policy.no_regression.get(skill, policy.no_regression.get(RELEASED))
@@ -157,13 +240,7 @@ def no_regression_checks(c: CandidateMetrics, policy: ReleasePolicy) -> list[Gat
         if limits is None:
             out.append(GateCheckRecord(name, math.nan, None, False, "missing: the policy sets no tolerance for it"))
             continue
-        if r.n <= 0 or r.mean_drop is None or r.sd_drop is None:
-            out.append(GateCheckRecord(name, limits.tolerance, None, False, "missing: no shared problems scored"))
-            continue
-        upper = r.upper(limits.confidence)
-        out.append(_upper_check(name, limits.tolerance, upper, -math.inf, math.inf,
-                                f"{limits.confidence:.0%} upper bound of the mean drop per problem; score "
-                                f"{r.score:g} vs champion {r.champion_score:g} on {r.n} problems"))
+        out.append(regression_check(name, r, limits))
     return out
 
 
@@ -208,7 +285,8 @@ def run_checks(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[lis
     """Every check of the policy; `domains`: the configured retained domains the cycle watches.
     Never raises: a family of checks that cannot be computed on these values is one failed check."""
     families = [("target_gain_vs_champion", lambda: [target_check(c, policy)]),
-                ("kl", lambda: kl_checks(c, policy, domains)), ("no_regression", lambda: no_regression_checks(c, policy)),
+                ("kl", lambda: kl_checks(c, policy, domains)), ("kl_tail", lambda: kl_tail_checks(c, policy, domains)),
+                ("no_regression", lambda: no_regression_checks(c, policy)),
                 ("nfr", lambda: nfr_checks(c, policy, domains)), ("csqa_choice_churn", lambda: churn_check(c, policy, domains)),
                 ("all_metrics_finite", lambda: [finite_check(c)])]
     out = []

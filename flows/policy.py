@@ -6,20 +6,31 @@ cannot go unguarded by omission. The checks themselves are in flows/gates.py.
 
 Negative-flip rates are judged by a one-sided upper confidence bound on the rate, not by
 the observed rate: with 16 questions and 0 flips the Wilson 95% upper bound is 0.145, so
-a small evaluation cannot pass a strict NFR limit by luck.
+a small evaluation cannot pass a strict NFR limit by luck. A released skill's no-regression
+is judged exactly (flows/gates.py; the statistics are in evaluation/stats.py).
+
+A threshold that no outcome could meet at the cycle's sample sizes (an NFR limit of 0.03 on
+16 questions: even 0 flips gives 0.171) is refused before anything trains, in one line that
+names the field and the n it would need: `load_policy(..., sizes=answered_sizes(config))`
+for NFR, `require_feasible_released` / `require_feasible_target` once the scorers are known.
 """
 from __future__ import annotations
 
 import math
-from numbers import Integral, Real
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from statistics import NormalDist
+from typing import TYPE_CHECKING, Optional
 
 from .config import digest, resolve
 from atlas_core.typed_config import ConfigError, build, field, load_yaml
+from evaluation.stats import RATE_BOUNDS, clopper_pearson_upper, min_n_for_zero, rate_upper, wilson_upper  # noqa: F401
+from .kl_tail import STATISTICS
 
-BOUNDS = ("wilson", "clopper-pearson")
+if TYPE_CHECKING:
+    from .config import UpdateConfig
+
+BOUNDS = RATE_BOUNDS
+PASS_FAIL, CONTINUOUS = "pass-fail", "continuous"  # kinds of released-skill scorers (flows/gates.py: Regression)
 RELEASED = "released"
 ANSWERED = ("gsm8k", "csqa")  # retained domains whose questions are answered (churn, NFR); others are KL-only  # key of the thresholds that apply to every released skill not named itself
 SELECTION = ("lowest-kl-vs-champion", "lowest-kl-vs-base")
@@ -63,16 +74,38 @@ class NfrLimits:
 
 @dataclass
 class NoRegression:
-    tolerance: float = field("Largest allowed one-sided upper bound of the mean per-problem drop of the skill's score "
-                             "against the champion, in the scorer's per-problem units (solved-problem scorers: a share "
-                             "of problems; reference-nll: nats/token).", 0.1)
+    tolerance: float = field("Largest allowed one-sided upper bound of the skill's loss against the champion. Pass/fail "
+                             "scorers (solved or not, e.g. MBPP+): the exact Clopper-Pearson bound of the share of "
+                             "problems the champion solved and the candidate does not (32 problems: 0 lost gives 0.089, "
+                             "1 lost 0.140). Continuous scorers (e.g. reference-nll, nats/token): the Student-t bound of "
+                             "the mean per-problem drop.", 0.1)
     confidence: float = field("Confidence level of the one-sided bound.", 0.95)
+    min_n: int = field("Continuous scorers: fewest shared problems the t bound is computed on (fewer: rejected, and "
+                       "refused at load when the skill has fewer problems).", 8)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
             raise ConfigError(f"tolerance: expected a finite number >= 0, got {self.tolerance!r}")
         if not 0.5 <= self.confidence < 1:
             raise ConfigError(f"confidence: expected a value in [0.5, 1), got {self.confidence!r}")
+        if self.min_n < 2:  # one value has no sample spread
+            raise ConfigError(f"min_n: expected an integer >= 2, got {self.min_n!r}")
+
+    def infeasible(self, kind: str, n: int) -> Optional[str]:
+        """Why this tolerance cannot be met on n problems whatever the answers (None: it can).
+        Pass/fail: even 0 lost gives a Clopper-Pearson bound above the tolerance; continuous:
+        fewer than min_n problems. The gate and the load-time check share this one rule."""
+        if kind == CONTINUOUS:
+            return None if n >= self.min_n else f"{n} problem(s), fewer than min_n={self.min_n} for a t bound"
+        if n < 1:
+            return "no problems to compare"
+        need = min_n_for_zero(self.tolerance, self.confidence, "clopper-pearson")
+        if need is not None and n >= need:
+            return None
+        zero = clopper_pearson_upper(0, n, self.confidence)
+        needs = "no n can prove a tolerance of 0" if need is None else f"needs n >= {need}"
+        return (f"tolerance {self.tolerance:g} is unprovable at n={n}: even 0 lost gives a Clopper-Pearson "
+                f"{self.confidence:.0%} upper bound of {zero:.3f}; {needs}")
 
 
 @dataclass
@@ -86,6 +119,14 @@ class ReleasePolicy:
                                                  factory=dict)
     max_kl_vs_base: dict[str, float] = field("Per domain: largest retained KL (nats/token) against the base model.",
                                              factory=dict)
+    max_kl_tail_vs_champion: dict[str, dict[str, float]] = field(
+        f"Optional: per domain (or {RELEASED!r} for every released skill not named), the largest allowed "
+        f"{'/'.join(STATISTICS)} of the per-context retained KL against the champion (nats/token; p95/p99: quantiles "
+        "over the member's contexts by linear interpolation, numpy's default; max: the largest context). E.g. "
+        "{csqa: {p95: 0.1, max: 0.5}}. Empty: not checked; a limit on a tail not measured fails.", factory=dict)
+    max_kl_tail_vs_base: dict[str, dict[str, float]] = field(
+        "Optional: the same limits against the base model, on configured domains only (released skills moved away "
+        "from the base by design).", factory=dict)
     nfr: NfrLimits = field("Negative-flip-rate limits (upper confidence bounds).", factory=NfrLimits)
     no_regression: dict[str, NoRegression] = field(f"Per released skill (or {RELEASED!r} for all not named): how far its "
                                                    "target score may drop against the champion.",
@@ -101,6 +142,18 @@ class ReleasePolicy:
             for domain, value in getattr(self, name).items():
                 if not (math.isfinite(value) and value >= 0):
                     raise ConfigError(f"{name}.{domain}: expected a finite number >= 0, got {value!r}")
+        for name in ("max_kl_tail_vs_champion", "max_kl_tail_vs_base"):
+            for member, limits in getattr(self, name).items():
+                if not limits:
+                    raise ConfigError(f"{name}.{member}: expected a limit on at least one of {list(STATISTICS)}")
+                for stat, value in limits.items():
+                    if stat not in STATISTICS:
+                        raise ConfigError(f"{name}.{member}.{stat}: unknown statistic; expected one of {list(STATISTICS)}")
+                    if not (math.isfinite(value) and value >= 0):
+                        raise ConfigError(f"{name}.{member}.{stat}: expected a finite number >= 0, got {value!r}")
+        if RELEASED in self.max_kl_tail_vs_base:
+            raise ConfigError(f"max_kl_tail_vs_base.{RELEASED}: released skills are checked against the champion only "
+                              "(max_kl_tail_vs_champion)")
         if self.max_csqa_choice_churn is not None and not 0 <= self.max_csqa_choice_churn <= 1:
             raise ConfigError(f"max_csqa_choice_churn: expected a share in [0, 1], got {self.max_csqa_choice_churn!r}")
         if self.selection not in SELECTION:
@@ -124,6 +177,35 @@ class ReleasePolicy:
             if missing:
                 raise ConfigError(f"{name}: no threshold for released skill(s) {missing}; name them or set {RELEASED!r}")
 
+    def require_feasible_answers(self, sizes: dict[str, int]) -> None:
+        """Every NFR limit on a domain answered by `sizes[domain]` questions can be met with 0 flips."""
+        label = f"{'Wilson' if self.nfr.bound == 'wilson' else 'Clopper-Pearson'} {self.nfr.confidence:.0%}"
+        for which in ("max_vs_champion", "max_vs_base"):
+            for domain, limit in sorted(getattr(self.nfr, which).items()):
+                n = sizes.get(domain)
+                need = min_n_for_zero(limit, self.nfr.confidence, self.nfr.bound)
+                if n is None or (need is not None and n >= need):
+                    continue
+                needs = "no n can prove a limit of 0" if need is None else f"needs >= {need} questions"
+                raise ConfigError(f"nfr.{which}.{domain}: limit {limit:g} is unprovable with {n} questions (even 0 flips "
+                                  f"gives a {label} upper bound of {self.nfr.upper(0, n):.3f}); {needs} "
+                                  f"(retained.{domain}_questions) or a looser limit")
+
+    def require_feasible_released(self, skills: dict[str, tuple[str, int]]) -> None:
+        """skills: released skill -> (scorer kind, number of problems); each tolerance must be provable."""
+        for skill, (kind, n) in sorted(skills.items()):
+            key = skill if skill in self.no_regression else RELEASED
+            limits = self.no_regression.get(key)
+            problem = None if limits is None else limits.infeasible(kind, n)  # missing: require_released says so
+            if problem:
+                raise ConfigError(f"no_regression.{key}: released skill {skill!r} ({kind}): {problem}")
+
+    def require_feasible_target(self, problems: int, solved_counts: bool) -> None:
+        """A solved-count target of `problems` problems cannot gain more than that over the champion."""
+        if solved_counts and self.min_target_gain > problems:
+            raise ConfigError(f"min_target_gain: {self.min_target_gain:g} solved problems cannot be gained on a target "
+                              f"of {problems} problems; expected at most {problems}")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -137,50 +219,36 @@ class ReleasePolicy:
         return f"{self.name}@{self.hash[:10]}"
 
 
-def load_policy(path: str | Path, domains: list[str] | None = None) -> ReleasePolicy:
-    """Parse and validate a policy file; with `domains`, require thresholds for each of them."""
+def answered_sizes(config: "UpdateConfig") -> dict[str, int]:
+    """Questions per watched answered domain: what the NFR bounds are computed on."""
+    r = config.retained
+    sizes = {"gsm8k": r.gsm8k_questions, "csqa": r.csqa_questions}
+    return {d: sizes[d] for d in config.domain_names if d in sizes}
+
+
+def load_policy(path: str | Path, domains: list[str] | None = None, sizes: dict[str, int] | None = None) -> ReleasePolicy:
+    """Parse and validate a policy file; with `domains`, require thresholds for each of them;
+    with `sizes` (domain -> questions answered, `answered_sizes(config)`), require every NFR
+    limit to be provable at those sizes."""
     data = load_yaml(resolve(path))  # its errors name the file already (as in load_update_config)
     try:
         policy = build(ReleasePolicy, data)
         if domains is not None:
             policy.require_domains(domains)
+        if sizes is not None:
+            policy.require_feasible_answers(sizes)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from e
     return policy
 
 
+def load_cycle_policy(path: str | Path, config: "UpdateConfig") -> ReleasePolicy:
+    """The policy of a cycle on `config`: thresholds for every watched domain, every NFR limit
+    provable at the config's question counts (what `atlas update` and `atlas gate check` load)."""
+    return load_policy(path, config.domain_names, answered_sizes(config))
+
+
 # ------------------------------------------------------------------------ confidence bounds
-def _counts_ok(k, n, confidence: float) -> bool:
-    """Integer counts 0 <= k <= n, n >= 1 (of any size), and a confidence strictly inside (0, 1)."""
-    counts = all(isinstance(v, Integral) and not isinstance(v, bool) for v in (k, n))
-    return counts and 0 <= k <= n and n >= 1 and isinstance(confidence, Real) and 0.0 < confidence < 1.0
-
-
-def wilson_upper(k: int, n: int, confidence: float = 0.95) -> float:
-    """One-sided Wilson score upper bound of a binomial rate k/n (NaN for impossible counts)."""
-    if not _counts_ok(k, n, confidence):
-        return math.nan
-    z, n = NormalDist().inv_cdf(confidence), float(n)
-    p = k / n
-    centre = p + z * z / (2 * n)
-    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return min(1.0, (centre + spread) / (1 + z * z / n))
-
-
-def clopper_pearson_upper(k: int, n: int, confidence: float = 0.95) -> float:
-    """One-sided exact (Clopper-Pearson) upper bound: the p with P(X <= k | n, p) = 1 - confidence,
-    i.e. the `confidence` quantile of Beta(k + 1, n - k) (regularised incomplete beta: no binomial
-    sums, so no overflow at any n). NaN for impossible counts."""
-    if not _counts_ok(k, n, confidence):
-        return math.nan
-    if k >= n:
-        return 1.0
-    from scipy.special import betaincinv
-
-    return float(betaincinv(k + 1, n - k, confidence))
-
-
+# The bounds live in evaluation/stats.py; wilson_upper and clopper_pearson_upper stay importable from here.
 def nfr_upper_bound(flips: int, n: int, confidence: float = 0.95, bound: str = "wilson") -> float:
-    if bound not in BOUNDS:
-        raise ValueError(f"bound: expected one of {BOUNDS}, got {bound!r}")
-    return (wilson_upper if bound == "wilson" else clopper_pearson_upper)(flips, n, confidence)
+    return rate_upper(flips, n, confidence, bound)

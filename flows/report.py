@@ -11,6 +11,7 @@ import math
 from datetime import datetime, timezone
 from pathlib import Path
 
+from . import kl_tail
 from .gates import CandidateMetrics
 
 
@@ -44,6 +45,24 @@ def check_tables(candidates: list[CandidateMetrics], outcome) -> list[str]:
         for ch in outcome.checks.get(c.version_id, []):
             lines.append(f"| {ch.name} | {_num(ch.threshold)} | {_num(ch.measured)} | "
                          f"{'pass' if ch.passed else '**FAIL**'} | {ch.detail.replace('|', '/')} |")
+    return lines
+
+
+def kl_context_tables(candidates: list[CandidateMetrics]) -> list[str]:
+    """Per candidate: the tail of each member's per-context KL and the contexts that moved most
+    (the rows its MLflow run's kl_top_contexts.json table holds too)."""
+    lines = []
+    for c in candidates:
+        lines += ["", f"#### {c.name}", ""]
+        if not c.kl_tail:
+            lines.append("Not measured: evaluated by a version that stored only the mean KL.")
+            continue
+        lines += ["| against | member | contexts | p95 | p99 | max |", "|---|---|---:|---:|---:|---:|"]
+        lines += [f"| {against} | {member} | {t.contexts} | {_num(t.p95)} | {_num(t.p99)} | {_num(t.max)} |"
+                  for against in kl_tail.AGAINST for member, t in sorted(c.kl_tail.get(against, {}).items())]
+        lines += ["", "| against | member | rank | context | KL | text |", "|---|---|---:|---:|---:|---|"]
+        lines += [f"| {r['against']} | {r['member']} | {r['rank']} | {r['context']} | {_num(r['kl'])} | "
+                  f"{r['text'].replace('|', '/')} |" for r in kl_tail.rows(c.kl_top_contexts)]
     return lines
 
 
@@ -96,7 +115,7 @@ def write_report(folder: Path, header: dict, outcome_text: str, candidates: list
     if history is not None:
         from evaluation.plots import line_history_plot
 
-        line_history_plot(history.releases, history.skills, history.scores, history.kl_vs_base, folder / "history.png")
+        line_history_plot(history.releases, history.panels(), folder / "history.png")
         images.append("history.png")
     selected_id = outcome.selected.version_id if outcome.selected else None
     lines = [f"# Update cycle: {header['model']}", ""]
@@ -104,9 +123,16 @@ def write_report(folder: Path, header: dict, outcome_text: str, candidates: list
     lines += ["", "## Outcome", "", outcome_text, "", "## Gate", ""]
     lines += summary_table(candidates, outcome, selected_id) if candidates else ["No new candidates this cycle."]
     lines += check_tables(candidates, outcome)
+    if candidates:
+        lines += ["", "## Retained KL per context", "", "Beyond each member's mean: the p95, p99 and max of its "
+                  "per-context KL (nats/token; quantiles by linear interpolation) and the contexts that moved most "
+                  "(index into the member's gate contexts, with the text's beginning)."]
+        lines += kl_context_tables(candidates)
     if history is not None:
         lines += ["", "## The line", "", "Score matrix R[t][i] of release t on the skill release i taught, with "
-                  "TRACE's overall performance OP_t and backward transfer BWT_t:", "", history.to_markdown()]
+                  "TRACE's overall performance OP_t and backward transfer BWT_t over the skills' scores on one "
+                  "scale (higher is better, 0 to 1), and retained KL vs the base and vs each skill's teacher:",
+                  "", history.to_markdown()]
     if comparison_md:
         lines += ["", "## Comparison with the champion", "", comparison_md]
     if phases:

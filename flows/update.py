@@ -75,7 +75,9 @@ def resolve_lineage(config: UpdateConfig, policy: ReleasePolicy, flow_run_id: Op
     verified, the skill taught now and the released skills it must keep, their scorers and the
     policy's thresholds for them validated before anything trains."""
     from .cycle import Applied, BackboneRef
+    from .gates import regression_kind
     from .lineage import chain_skill_specs
+    from .policy import PASS_FAIL
     from .runtime import ledger, resolve_applied, scorer
     from .skills import SkillSpec, released_skills
 
@@ -88,6 +90,11 @@ def resolve_lineage(config: UpdateConfig, policy: ReleasePolicy, flow_run_id: Op
     for spec in (skill, *released):
         scorer(spec)  # built (and so validated) before anything trains
     policy.require_released([s.name for s in released])
+    # Thresholds no outcome could meet at these problem counts are refused now, not after training.
+    target = scorer(skill)
+    policy.require_feasible_target(len(target.problem_ids()), regression_kind(target) == PASS_FAIL)
+    policy.require_feasible_released({s.name: (regression_kind(scorer(s)), len(scorer(s).problem_ids()))
+                                      for s in released})
     return CycleContext(config, policy, BackboneRef(config.backbone, revision, dtype, backbone_id, layer), model,
                         Applied(base), champion, skill, tuple(released), flow_run_id=flow_run_id)
 
@@ -206,7 +213,7 @@ def update(config: str = DEFAULT_CONFIG, policy: str = DEFAULT_POLICY, backbone:
     from evaluation.timing import take as take_steps
 
     from .config import load_update_config
-    from .policy import load_policy
+    from .policy import load_cycle_policy
     from .runtime import session
 
     cfg = load_update_config(config, backbone=backbone, skill=skill, line=line)
@@ -215,7 +222,7 @@ def update(config: str = DEFAULT_CONFIG, policy: str = DEFAULT_POLICY, backbone:
     with session():
         clock = _Clock()
         take_steps()  # the step table starts with this cycle
-        ctx = resolve_lineage(cfg, load_policy(policy, cfg.domain_names), flow_run.id)
+        ctx = resolve_lineage(cfg, load_cycle_policy(policy, cfg), flow_run.id)
         clock.lap("lineage (backbone, ledger, champion chain)")
         return run_cycle(ctx, clock)
 

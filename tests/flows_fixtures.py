@@ -33,8 +33,9 @@ PASSING_POLICY = {
             "max_vs_base": {"gsm8k": 1.0, "csqa": 1.0}},
     "max_csqa_choice_churn": 1.0,
 }
-# Four target problems cannot gain 1000 solved ones.
-IMPOSSIBLE_POLICY = PASSING_POLICY | {"name": "tiny-impossible", "min_target_gain": 1000}
+# A gain of all four target problems over the champion: allowed (a policy asking for more than
+# the target has is refused before training), never reached by the random tiny model.
+IMPOSSIBLE_POLICY = PASSING_POLICY | {"name": "tiny-impossible", "min_target_gain": 4}
 
 
 def write_yaml(path: Path, data: dict) -> str:

@@ -3,6 +3,7 @@ the base, retired versions, idle cycles and unique names."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ def policy(name: str, methods=("atlas",), **changes) -> dict:
     return {"name": name, "candidates": {"methods": list(methods), "seeds": [0]}, "min_target_gain": 0.0,
             "max_kl_vs_champion": LOOSE_KL | {"released": 50.0}, "max_kl_vs_base": LOOSE_KL,
             "nfr": {"max_vs_champion": {"csqa": 1.0}, "max_vs_base": {"csqa": 1.0}},
-            "no_regression": {"released": {"tolerance": 1.0}}} | changes
+            "no_regression": {"released": {"tolerance": 1.0, "min_n": 4}}} | changes  # skills' reference-nll: 4 problems
 
 
 def write_pairs(path: Path, pairs: list[dict]) -> str:
@@ -104,6 +105,7 @@ def test_three_releases_build_a_chain_and_keep_released_skills(prefect_harness, 
         assert len([v for v in list_versions(p.ledger, model.id) if not v.is_base]) == 3
         history = line_history(p.ledger, model.id, v3.id)
         v1_score = evaluation_extra(p.ledger, latest_evaluation(p.ledger, v1.id).id)["target_score"]
+        v2_kl = {k.domain: k.kl_vs_release for k in latest_evaluation(p.ledger, v2.id).kl}
     finally:
         p.close()
     # The line's score matrix from stored answers: R[1][1] is v1's own target score, later rows
@@ -112,7 +114,11 @@ def test_three_releases_build_a_chain_and_keep_released_skills(prefect_harness, 
     assert history.skills == ["a", "b", "a"] and history.parents[1:] == history.releases[:3]
     assert history.scores[1][0] == pytest.approx(v1_score)
     assert all(history.scores[t][i] is not None for t, i in ((2, 0), (2, 1), (3, 1), (3, 2)))
-    assert history.bwt(2) == pytest.approx(-(history.scores[2][0] - history.scores[1][0]))  # NLL: lower is better
+    # NLL, lower is better: on the line's 0-1 scale as exp(-NLL)
+    assert history.bwt(2) == pytest.approx(math.exp(-history.scores[2][0]) - math.exp(-history.scores[1][0]))
+    # Retention: KL vs the release that taught a released skill (here the champion each time)
+    assert history.kl_vs_teacher[1] == {} and set(history.kl_vs_teacher[2]) == {"a"}
+    assert history.kl_vs_teacher[2]["a"] == pytest.approx(v2_kl["a"]) and set(history.kl_vs_teacher[3]) == {"b"}
     report = Path(third["report"])
     assert "## The line" in report.read_text() and (report.parent / "history.png").is_file()
 
@@ -158,7 +164,7 @@ def test_a_candidate_that_regresses_a_released_skill_is_rejected_for_it(prefect_
     finally:
         p.close()
     strict = write_yaml(line_files["cfg"] / "strict.yaml",
-                        policy("tiny-strict", no_regression={"a": {"tolerance": 0.0}}))
+                        policy("tiny-strict", no_regression={"a": {"tolerance": 0.0, "min_n": 4}}))
     result = update(line_files["b"], strict)
     assert result["outcome"] == "rejected"
     p = _open()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from tests.flows_fixtures import (IMPOSSIBLE_POLICY, PASSING_POLICY, ledger_counts, prefect_harness,  # noqa: F401
                                   state, tiny_files)
@@ -35,6 +36,15 @@ def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle
     from registry import get_model, latest_gate_decision, list_versions
 
     config, impossible = tiny_files(tmp_path / "cfg", IMPOSSIBLE_POLICY)
+    # A policy no outcome could meet at the cycle's sizes is refused before anything trains, in one line.
+    from atlas_core.typed_config import ConfigError
+
+    for changes, says in (({"min_target_gain": 5}, "min_target_gain: 5 solved problems cannot be gained on a target of 4"),
+                          ({"nfr": PASSING_POLICY["nfr"] | {"max_vs_base": {"gsm8k": 0.3, "csqa": 1.0}}},
+                           r"nfr.max_vs_base.gsm8k: limit 0.3 is unprovable with 4 questions .* needs >= 7")):
+        _, infeasible = tiny_files(tmp_path / "infeasible", PASSING_POLICY | {"name": "tiny-infeasible"} | changes)
+        with pytest.raises(ConfigError, match=says):
+            update(config, infeasible)
     first = update(config, impossible)
     assert first["outcome"] == "rejected" and not first["promoted"] and first["champion"].endswith("-base")
     assert "REJECTED" in Path(first["report"]).read_text()
@@ -59,7 +69,7 @@ def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle
             decision = latest_gate_decision(p.ledger, version.id)
             failed = [c for c in decision.checks if not c.passed]
             assert not decision.passed and [c.name for c in failed] == ["target_gain_vs_champion"]
-            assert failed[0].threshold == 1000 and decision.release_version_id is None
+            assert failed[0].threshold == 4 and decision.release_version_id is None
     finally:
         p.close()
     counts = ledger_counts(state)
@@ -84,6 +94,7 @@ def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle
         cycle_runs = client.search_runs([e.experiment_id for e in client.search_experiments()], "tags.kind = 'update-cycle'")
         logged = {k for r in cycle_runs for k in r.data.metrics}  # the cycle runs carry their phase timings
         assert {"seconds/training", "seconds/gate", "seconds/promote", "seconds/step/KL_csqa"} <= logged
+        _kl_per_context_is_recorded_reported_and_logged(p, model, candidates, text, tmp_path)
     finally:
         p.close()
     after = ledger_counts(state)
@@ -98,6 +109,41 @@ def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle
     assert ledger_counts(state) == after
 
 
+def _kl_per_context_is_recorded_reported_and_logged(p, model, candidates, report_text: str, tmp_path) -> None:
+    """Every evaluation keeps, per reference and member, the p95/p99/max of the per-context KL and the
+    5 contexts that moved most (of the tiny config's 8); the report (whose cycle reused the stored
+    evaluations) lists them per candidate; each training run's MLflow run holds them as one table,
+    once per evaluation (the second cycle appended nothing)."""
+    import json
+
+    from registry import evaluation_extra, latest_evaluation
+
+    for version in candidates:
+        ev = latest_evaluation(p.ledger, version.id)
+        extra, means = evaluation_extra(p.ledger, ev.id), {k.domain: k for k in ev.kl}
+        assert set(extra["kl_tail"]) == set(extra["kl_top_contexts"]) == {"vs_champion", "vs_base"}
+        for against, members in extra["kl_tail"].items():
+            assert set(members) == {"gsm8k", "csqa"}
+            for member, t in members.items():
+                mean = means[member].kl_vs_base if against == "vs_base" else means[member].kl_vs_release
+                # the mean over tokens is a weighted mean of the contexts' own: never above the largest
+                assert t["contexts"] == 8 and -1e-6 <= t["p95"] <= t["p99"] <= t["max"] and mean <= t["max"] + 1e-9
+                top = extra["kl_top_contexts"][against][member]
+                assert len(top) == 5 and top[0]["kl"] == t["max"] and all(c["text"] for c in top)
+                assert [c["kl"] for c in top] == sorted((c["kl"] for c in top), reverse=True)
+    section = report_text.split("## Retained KL per context")[1].split("\n## ")[0]
+    assert all(f"#### {v.name}" in section for v in candidates)
+    assert section.count("| vs_champion | csqa | 1 |") == len(candidates) and "| vs_base | gsm8k | 5 |" in section
+    client = p.bridge.client
+    runs = client.search_runs([p.bridge.experiment_id(model.backbone, model.line)], "tags.`ledger.training_run_id` != ''")
+    assert len(runs) == 2  # ATLAS and Weight-LoRA, two epoch versions each
+    for run in runs:
+        path = client.download_artifacts(run.info.run_id, "kl_top_contexts.json", str(tmp_path))
+        table = json.loads(Path(path).read_text())
+        assert {"version", "evaluation_id", "against", "member", "rank", "context", "kl", "text"} <= set(table["columns"])
+        assert len(table["data"]) == 2 * 2 * 2 * 5  # versions x references x members x contexts listed
+
+
 def test_nan_metric_rejects_and_a_failing_task_is_retried(prefect_harness, state, tmp_path, monkeypatch):
     from prefect.client.orchestration import get_client
 
@@ -109,7 +155,11 @@ def test_nan_metric_rejects_and_a_failing_task_is_retried(prefect_harness, state
     real_kl, real_generate, calls = runtime.retained_kl, evaluate._generate, []
 
     def nan_for_candidates(ctx, applied, refs, member):
-        return [math.nan] * len(refs) if not applied.version.is_base else real_kl(ctx, applied, refs, member)
+        from evaluation.kl import KLResult
+
+        if applied.version.is_base:
+            return real_kl(ctx, applied, refs, member)
+        return [KLResult(math.nan, [math.nan] * len(runtime.gate_texts(ctx, member)), 1) for _ in refs]
 
     def fail_once(*args, **kwargs):
         calls.append(1)

@@ -8,7 +8,7 @@ import pytest
 
 from flows.config import load_update_config
 from flows.gates import CandidateMetrics, Flips, passed, run_checks, select
-from flows.policy import ReleasePolicy, clopper_pearson_upper, load_policy, wilson_upper
+from flows.policy import ReleasePolicy, answered_sizes, clopper_pearson_upper, load_policy, wilson_upper
 from atlas_core.typed_config import ConfigError, build
 from tests.flows_fixtures import PASSING_POLICY, write_yaml
 
@@ -35,10 +35,17 @@ def test_shipped_policies_and_configs_validate():
     for name in ("default", "ci"):
         assert load_update_config(f"configs/update/{name}.yaml").retained.domains == DOMAINS
     # Every shipped update config with the policy it runs under: watched domains and released skills covered.
-    for config, policy_name, released in (("default", "default", []), ("gsm8k-format", "gsm8k-format", ["code"]),
-                                          ("ci", "ci", []), ("ci-v2", "ci", ["code-ci"]), ("gpu", "strict", [])):
+    # Their thresholds are provable at the config's sizes: NFR at its question counts, no-regression at
+    # the released skill's problems (v1's MBPP+ 32; code-ci's 4), the target gain at the target's problems.
+    for config, policy_name, released, target in (
+            ("default", "default", {}, 32), ("gsm8k-format", "gsm8k-format", {"code": ("pass-fail", 32)}, None),
+            ("ci", "ci", {}, 4), ("ci-v2", "ci", {"code-ci": ("pass-fail", 4)}, None), ("gpu", "strict", {}, 224)):
         cfg = load_update_config(f"configs/update/{config}.yaml")
-        load_policy(f"configs/policy/{policy_name}.yaml", cfg.domain_names).require_released(released)
+        p = load_policy(f"configs/policy/{policy_name}.yaml", cfg.domain_names, answered_sizes(cfg))
+        p.require_released(list(released))
+        p.require_feasible_released(released)
+        if target is not None:
+            p.require_feasible_target(target, solved_counts=True)
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -242,8 +249,9 @@ def test_a_gate_fed_any_value_rejects_and_never_raises(bound):
     strict = policy(nfr=PASSING_POLICY["nfr"] | {"bound": bound},
                     max_kl_vs_champion={"gsm8k": 0.05, "csqa": 0.05, "released": 0.05},
                     no_regression={"code": {"tolerance": 0.05, "confidence": 0.95}})
-    good = candidate(released={"code": Regression(8, 3.0, 3.0, 0.0, 0.0)}, target_score=3.0, champion_score=2.0,
-                     kl_vs_champion={"gsm8k": 0.01, "csqa": 0.02, "code": 0.01})
+    # 64 problems, none lost: Clopper-Pearson 95% gives 0.046 <= 0.05 (at fewer than 59 it would be unprovable)
+    good = candidate(released={"code": Regression(64, 30.0, 30.0, 0.0, 0.0, "pass-fail", 0, 0)}, target_score=3.0,
+                     champion_score=2.0, kl_vs_champion={"gsm8k": 0.01, "csqa": 0.02, "code": 0.01})
     assert passed(run_checks(good, strict))
     variants = []
     for value in BAD:
@@ -257,8 +265,14 @@ def test_a_gate_fed_any_value_rejects_and_never_raises(bound):
                      {"csqa_choice_churn": value},
                      {"flips_vs_base": {"gsm8k": Flips(20, 0, 0, 0), "csqa": Flips(value, 1, 0, 0)}},
                      {"flips_vs_champion": {"gsm8k": Flips(20, value, 0, 0), "csqa": Flips(40, 0, 0, 0)}},
-                     {"released": {"code": Regression(8, value, 3.0, value if value != -1.0 else 0.5, 0.1)}},
-                     {"released": {"code": Regression(value, 3.0, None, 0.0, value)}}]
+                     {"released": {"code": Regression(64, 30.0, 30.0, 0.0, 0.0, "pass-fail", value, 0)}},
+                     {"released": {"code": Regression(64, 30.0, 30.0, 0.0, 0.0, "pass-fail", 0, value)}},
+                     {"released": {"code": Regression(value, 30.0, 30.0, 0.0, 0.0, "pass-fail", 0, 0)}},
+                     {"released": {"code": Regression(64, 1.0, 1.1, value if value != -1 else 0.5, 0.1, "continuous")}},
+                     {"released": {"code": Regression(64, 1.0, 1.1, 0.0, value, "continuous")}},
+                     {"released": {"code": Regression(value, 1.0, 1.1, 0.0, 0.01, "continuous")}}]
+    variants += [{"released": {"code": Regression(64, 30.0, 30.0, 0.0, 0.0)}},  # stored by older code: no counts
+                 {"released": {"code": Regression(64, 30.0, 30.0, 0.0, 0.0, "no-such-kind", 0, 0)}}]
     variants += [{"kl_vs_base": {}}, {"flips_vs_champion": {}}]
     for changes in variants:
         checks = run_checks(replace(good, **changes), strict)

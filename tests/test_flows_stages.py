@@ -85,7 +85,7 @@ def test_each_stage_runs_alone_on_the_values_of_the_one_before(prefect_harness, 
         calls = []
         hook = model.model.layers[0].register_forward_hook(lambda *a: calls.append(1))
         try:
-            again = {m: runtime.retained_kl(ctx, candidate, [ctx.base], m)[0] for m in ("gsm8k", "csqa")}
+            again = {m: runtime.retained_kl(ctx, candidate, [ctx.base], m)[0].mean for m in ("gsm8k", "csqa")}
             choices = runtime.csqa_answers(ctx, candidate)
             assert calls == [] and again == metrics[0].kl_vs_base
             # A version changing layer kl_layer (as far as the runtime knows) gets full forwards: the

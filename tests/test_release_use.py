@@ -32,7 +32,7 @@ def _policy(name: str, method: str) -> dict:
     return {"name": name, "candidates": {"methods": [method], "seeds": [0]}, "min_target_gain": 0,
             "max_kl_vs_champion": {"csqa": 50.0, "released": 50.0}, "max_kl_vs_base": {"csqa": 50.0},
             "nfr": {"max_vs_champion": {"csqa": 1.0}, "max_vs_base": {"csqa": 1.0}},
-            "no_regression": {"released": {"tolerance": 1000.0}}}
+            "no_regression": {"released": {"tolerance": 1000.0, "min_n": 4}}}  # skill a's reference-nll: 4 problems
 
 
 @pytest.fixture(scope="module")
