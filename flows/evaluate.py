@@ -66,26 +66,29 @@ def question_ids(ctx: CycleContext, kind: str) -> list[str]:
     return list(rows["id"][: r.gsm8k_questions if kind == "gsm8k" else r.csqa_questions])
 
 
-def _generate(ctx: CycleContext, applied: Applied, kind: str) -> dict[str, tuple[str | None, bool]]:
+def _generate(ctx: CycleContext, applied: Applied, kind: str,
+              batch_size: int | None = None) -> dict[str, tuple[str | None, bool]]:
+    """A version's answers; `batch_size` (GSM8K, CSQA) replaces the config's batching (the noise floor)."""
     from evaluation.tasks import eval_gsm8k
     from evaluation.timing import phase
 
     from .runtime import applied_on, backbone, csqa_answers
 
     if kind == "csqa":  # its shared prefix states are built before the version is attached
-        return {a.id: (a.answer, bool(a.correct)) for a in csqa_answers(ctx, applied)}
+        return {a.id: (a.answer, bool(a.correct)) for a in csqa_answers(ctx, applied, batch_size)}
     tokenizer, r = backbone(ctx.backbone).tokenizer, ctx.config.retained
     with applied_on(ctx, applied) as model, phase(f"answers {kind}"):
         if kind == "target" or kind.startswith(SKILL):
             scored = scorer_for(ctx, kind).score(model, tokenizer)
             return {q: (ps.answer, ps.correct) for q, ps in scored.items()}
         got = eval_gsm8k(model, tokenizer, limit=r.gsm8k_questions, max_new_tokens=r.max_new_tokens,
-                         batch_size=r.generation_batch_size).answers
+                         batch_size=batch_size or r.generation_batch_size).answers
     return {a.id: (a.answer, bool(a.correct)) for a in got}
 
 
 @task(cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1, retry_condition_fn=transient_only, task_run_name="answers-{kind}")
-def version_answers(ctx: CycleContext, applied: Applied, kind: str, dataset: str, ids: list[str]) -> Answers:
+def version_answers(ctx: CycleContext, applied: Applied, kind: str, dataset: str, ids: list[str],
+                    batch_size: int | None = None) -> Answers:
     """The version's answers on these questions: stored ones, plus the missing ones generated and stored."""
     from registry import AnswerRecord, get_answers, record_answers
 
@@ -93,7 +96,7 @@ def version_answers(ctx: CycleContext, applied: Applied, kind: str, dataset: str
 
     stored = {q: a for (d, q), a in get_answers(ledger(), applied.version.id).items() if d == dataset}
     if any(q not in stored for q in ids):
-        fresh = _generate(ctx, applied, kind)
+        fresh = _generate(ctx, applied, kind, batch_size)
         new = [AnswerRecord(dataset, q, *fresh[q]) for q in ids if q not in stored]
         record_answers(ledger(), applied.version.id, new)
         stored |= {a.question_id: a for a in new}
@@ -199,7 +202,8 @@ def record_candidate(ctx: CycleContext, m: CandidateMetrics, kl_vs_teacher: dict
                                "released": {k: asdict(r) for k, r in m.released.items()},
                                "target_score": ok(m.target_score), "champion_score": ok(m.champion_score),
                                "higher_is_better": m.higher_is_better,
-                               "kl_vs_teacher": {k: ok(v) for k, v in (kl_vs_teacher or {}).items()}}
+                               "kl_vs_teacher": {k: ok(v) for k, v in (kl_vs_teacher or {}).items()},
+                               "flips_floor": {d: asdict(f) for d, f in m.flips_floor.items()}}
                               | kl_tail.to_extra(m.kl_tail, m.kl_top_contexts), ctx.flow_run_id)
     evaluation_id = record_evaluation(ledger(), record)
     numbers = {"target_solved": m.target_solved, "csqa_choice_churn": m.csqa_choice_churn}
@@ -249,7 +253,8 @@ def stored_metrics(ctx: CycleContext, version) -> CandidateMetrics | None:
                             fl("base"), fl("release"), ev.csqa_choice_churn,
                             released, ev.id,
                             extra.get("target_score"), extra.get("champion_score"), extra.get("higher_is_better", True),
-                            kl_tail=tails, kl_top_contexts=moved)
+                            kl_tail=tails, kl_top_contexts=moved,
+                            flips_floor={d: Flips(**f) for d, f in extra.get("flips_floor", {}).items()})
 
 
 @flow(name="evaluate_candidate", validate_parameters=True)
@@ -257,6 +262,7 @@ def evaluate_candidate(ctx: CycleContext, version_id: int) -> CandidateMetrics:
     """All gate metrics of one candidate version against the champion and the base model, recorded."""
     from registry import get_version
 
+    from .noise_floor import flip_floor
     from .runtime import gate_texts, ledger, resolve_applied
 
     version = get_version(ledger(), version_id)
@@ -279,7 +285,8 @@ def evaluate_candidate(ctx: CycleContext, version_id: int) -> CandidateMetrics:
                          {k: flips(champ[k], mine[k]) for k in watched}, choice,
                          released_regressions(ctx, champ, mine),
                          target_score=score_of(target, mine["target"]), champion_score=score_of(target, champ["target"]),
-                         higher_is_better=target.higher_is_better, kl_tail=tails, kl_top_contexts=moved)
+                         higher_is_better=target.higher_is_better, kl_tail=tails, kl_top_contexts=moved,
+                         flips_floor=flip_floor(ctx))
     return replace(m, evaluation_id=record_candidate(ctx, m, vs_teacher))
 
 

@@ -101,6 +101,8 @@ class CandidateMetrics:
     # tail, and the contexts that moved most. Empty when stored by older code: a tail limit then fails closed.
     kl_tail: dict[str, dict[str, KLTail]] = field(default_factory=dict)
     kl_top_contexts: dict[str, dict[str, list[MovedContext]]] = field(default_factory=dict)
+    # The champion's flips against itself re-decoded at batch size 1, per answered domain (flows/noise_floor.py).
+    flips_floor: dict[str, Flips] = field(default_factory=dict)
 
     def mean_kl(self, which: str) -> float:
         values = list(getattr(self, which).values())
@@ -258,9 +260,20 @@ def nfr_checks(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[lis
             if not 0 <= flips.F <= flips.n or flips.F + flips.G + flips.W > flips.n:
                 out.append(GateCheckRecord(name, limit, math.nan, False, f"out of range: F={flips.F} of n={flips.n}"))
                 continue
-            upper = nfr.upper(flips.F, flips.n)
-            out.append(_upper_check(name, limit, upper, 0.0, 1.0,
-                                    f"{label}; F={flips.F}/{flips.n} (observed NFR {flips.F / flips.n:.3f})"))
+            detail = f"{label}; F={flips.F}/{flips.n} (observed NFR {flips.F / flips.n:.3f})"
+            counted = flips.F
+            if which == "vs_champion":  # the champion's own decoding noise (flows/noise_floor.py)
+                floor = c.flips_floor.get(domain)
+                if floor is not None and floor.n == flips.n:
+                    detail += f"; noise floor F={floor.F} G={floor.G} W={floor.W} (champion re-decoded at batch 1)"
+                    counted = max(flips.F - floor.F, 0) if nfr.above_floor else flips.F
+                elif nfr.above_floor:
+                    out.append(GateCheckRecord(name, limit, None, False, "missing: the noise floor was not measured "
+                                                                         "on these questions (nfr.above_floor)"))
+                    continue
+                if nfr.above_floor:
+                    detail += f"; judged on the {counted} flip(s) above the floor"
+            out.append(_upper_check(name, limit, nfr.upper(counted, flips.n), 0.0, 1.0, detail))
     return out
 
 

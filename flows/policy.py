@@ -57,8 +57,14 @@ class NfrLimits:
                                               factory=dict)
     max_vs_base: dict[str, float] = field("Per domain: largest allowed upper bound of NFR against the base model.",
                                           factory=dict)
+    above_floor: bool = field("Judge flips against the champion above its own noise floor: the bound is computed on "
+                              "max(F - F_floor, 0), F_floor the champion's negative flips when its answers are decoded "
+                              "again at batch size 1 (flows/noise_floor.py). A correction, not an exact statistic: off "
+                              "by default; the floor is reported beside F either way.", False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.above_floor, bool):
+            raise ConfigError(f"above_floor: expected true or false, got {self.above_floor!r}")
         if self.bound not in BOUNDS:
             raise ConfigError(f"bound: expected one of {BOUNDS}, got {self.bound!r}")
         if not 0.5 <= self.confidence < 1:

@@ -48,6 +48,18 @@ def check_tables(candidates: list[CandidateMetrics], outcome) -> list[str]:
     return lines
 
 
+def flip_table(candidates: list[CandidateMetrics]) -> list[str]:
+    """F/G/W of each candidate per answered domain, vs the champion and the base, beside the
+    champion's own noise floor (flows/noise_floor.py)."""
+    fgw = lambda f: "-" if f is None else f"{f.F}/{f.G}/{f.W} of {f.n}"  # noqa: E731
+    lines = ["| candidate | domain | F/G/W vs champion | F/G/W vs base | champion's noise floor |", "|---|---|---|---|---|"]
+    for c in candidates:
+        for d in sorted(c.flips_vs_champion):
+            lines.append(f"| {c.name} | {d} | {fgw(c.flips_vs_champion.get(d))} | {fgw(c.flips_vs_base.get(d))} | "
+                         f"{fgw(c.flips_floor.get(d))} |")
+    return lines
+
+
 def kl_context_tables(candidates: list[CandidateMetrics]) -> list[str]:
     """Per candidate: the tail of each member's per-context KL and the contexts that moved most
     (the rows its MLflow run's kl_top_contexts.json table holds too)."""
@@ -123,6 +135,10 @@ def write_report(folder: Path, header: dict, outcome_text: str, candidates: list
     lines += ["", "## Outcome", "", outcome_text, "", "## Gate", ""]
     lines += summary_table(candidates, outcome, selected_id) if candidates else ["No new candidates this cycle."]
     lines += check_tables(candidates, outcome)
+    if any(c.flips_vs_champion for c in candidates):
+        lines += ["", "## Answer flips and the noise floor", "", "F = correct -> wrong, G = wrong -> correct, "
+                  "W = wrong -> another wrong. The floor is the champion against its own answers decoded again one "
+                  "question at a time: flips no update caused.", ""] + flip_table(candidates)
     if candidates:
         lines += ["", "## Retained KL per context", "", "Beyond each member's mean: the p95, p99 and max of its "
                   "per-context KL (nats/token; quantiles by linear interpolation) and the contexts that moved most "

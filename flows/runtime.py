@@ -231,14 +231,15 @@ def reference(ctx, applied, member: str) -> list:
 
 
 @torch.no_grad()
-def retained_kl(ctx, applied, ref_applied: list, member: str) -> list[float]:
-    """Mean KL(p_ref || p_version) in nats/token over the member's contexts, for each reference
-    version in `ref_applied` (one pass over the version; equal references measured once)."""
+def retained_kl(ctx, applied, ref_applied: list, member: str) -> list:
+    """KL(p_ref || p_version) on the member's contexts for each reference version in `ref_applied`,
+    as evaluation.kl.KLResult: the mean in nats/token and each context's own, in the order of
+    gate_texts(ctx, member) (one pass over the version; equal references measured once)."""
     kl = kl_set(ctx, member)
     with phase(f"KL {member}"):
         refs = [reference(ctx, r, member) for r in ref_applied]
         with applied_on(ctx, applied):
-            return [r.mean for r in kl.kl_many(refs, None)]
+            return kl.kl_many(refs, None)
 
 
 # ------------------------------------------------------------------------------ CSQA choice
@@ -268,16 +269,17 @@ def choice_set(ctx, prompts: list[str]):
     return _cached(key, build)
 
 
-def csqa_answers(ctx, applied) -> list:
+def csqa_answers(ctx, applied, batch_size: int | None = None) -> list:
     """A version's CSQA choice answers (evaluation.answers.Answer): from the stored prefix states
-    when they are its own (prefix_serves), else by full forwards."""
+    when they are its own (prefix_serves), else by full forwards; full forwards in batches of
+    `batch_size` when it is given (the noise floor, flows/noise_floor.py)."""
     from evaluation.choice import ChoiceSet
     from evaluation.tasks import csqa_choice_prompts
 
     bb, r = backbone(ctx.backbone), ctx.config.retained
     rows, prompts = csqa_choice_prompts(bb.tokenizer, limit=r.csqa_questions)
-    choices = (choice_set(ctx, prompts) if prefix_serves(ctx, applied)
-               else ChoiceSet(bb.model, bb.tokenizer, prompts, batch_size=r.batch_size))
+    choices = (choice_set(ctx, prompts) if batch_size is None and prefix_serves(ctx, applied)
+               else ChoiceSet(bb.model, bb.tokenizer, prompts, batch_size=batch_size or r.batch_size))
     with applied_on(ctx, applied), phase("answers csqa (choice)"):
         return choices.choose().answers(rows["id"], rows["answer"])
 

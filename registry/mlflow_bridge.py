@@ -141,6 +141,12 @@ class MlflowBridge:
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         self.client.log_text(run_id, text, artifact_file)
 
+    def log_table(self, run_id: str, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        """Rows (dicts with the same keys) as an MLflow table artifact (`artifact_file`: .json),
+        shown in the UI's evaluation view; MLflow appends to a table the run already has."""
+        if rows:
+            self.client.log_table(run_id, data={k: [r[k] for r in rows] for k in rows[0]}, artifact_file=artifact_file)
+
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status)
 

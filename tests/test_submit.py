@@ -17,7 +17,7 @@ import torch
 from tests.flows_fixtures import ledger_counts, prefect_harness, write_yaml  # noqa: F401
 
 MODEL = "tiny-llama.ext"
-RETAINED = {"domains": ["csqa"], "kl_contexts": 6, "kl_max_tokens": 128, "gsm8k_questions": 2, "csqa_questions": 6,
+RETAINED = {"domains": ["gsm8k", "csqa"], "kl_contexts": 6, "kl_max_tokens": 128, "gsm8k_questions": 2, "csqa_questions": 6,
             "max_new_tokens": 4, "batch_size": 4, "replay_examples": 8}
 BASE = {"backbone": "tiny-llama", "dtype": "float32", "layer": 2, "line": "ext", "retained": RETAINED,
         "atlas": {"num_vectors": 64, "charts": 4, "rank": 4},
@@ -27,8 +27,9 @@ CODE = BASE | {"name": "a", "skill": "a", "data": {"source": "mbpp", "train_limi
 MATH = BASE | {"name": "b", "skill": "b", "data": {"source": "gsm8k", "train_limit": 8, "val_limit": 4},
                "target": {"scorer": "reference-nll", "options": {"source": "gsm8k", "limit": 4}}}
 POLICY = {"name": "loose", "candidates": {"methods": ["atlas"], "seeds": [0]}, "min_target_gain": 0,
-          "max_kl_vs_champion": {"csqa": 50.0, "released": 50.0}, "max_kl_vs_base": {"csqa": 50.0},
-          "nfr": {"max_vs_champion": {"csqa": 1.0}, "max_vs_base": {"csqa": 1.0}},
+          "max_kl_vs_champion": {"gsm8k": 50.0, "csqa": 50.0, "released": 50.0},
+          "max_kl_vs_base": {"gsm8k": 50.0, "csqa": 50.0},
+          "nfr": {"max_vs_champion": {"gsm8k": 1.0, "csqa": 1.0}, "max_vs_base": {"gsm8k": 1.0, "csqa": 1.0}},
           "no_regression": {"released": {"tolerance": 1000.0, "min_n": 2}}}
 TOL = dict(rtol=0, atol=1e-5)  # fp32: hooks and PEFT's layers sum the same terms in another order
 
@@ -82,7 +83,9 @@ def atlas(*argv: str) -> int:
     return main(list(argv))
 
 
-def test_a_peft_lora_trained_on_the_champion_is_submitted_gated_promoted_and_served(line, tmp_path, capsys):
+def test_a_peft_lora_trained_on_the_champion_is_submitted_gated_promoted_and_served(line, tmp_path, capsys,
+                                                                                     monkeypatch):
+    import evaluation.tasks
     from peft import PeftModel
 
     from flows import load_release
@@ -97,6 +100,8 @@ def test_a_peft_lora_trained_on_the_champion_is_submitted_gated_promoted_and_ser
     assert atlas("submit", str(tmp_path / "adapter"), "--line", MODEL, "--skill", "b", "--json") == 0
     assert json.loads(capsys.readouterr().out)["version"] == name and ledger_counts(line["state"]) == counts
 
+    decode, batchings = evaluation.tasks.eval_gsm8k, []
+    monkeypatch.setattr(evaluation.tasks, "eval_gsm8k", lambda *a, **k: batchings.append(k["batch_size"]) or decode(*a, **k))
     code = atlas("gate", "check", name, "--config", line["config"], "--policy", line["policy"], "--promote", "--json")
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["passed"] and result["promoted"] and result["champion"] == name, result
@@ -119,6 +124,8 @@ def test_a_peft_lora_trained_on_the_champion_is_submitted_gated_promoted_and_ser
         torch.testing.assert_close(PeftModel.from_pretrained(parent.model, out)(ids).logits, want, **TOL)
 
     kl = next(c["measured"] for c in result["checks"] if c["name"] == "kl_vs_champion[csqa]")
+    assert sorted(batchings) == [1, 16]  # the candidate as configured (generation_batch_size 16); the champion at 1
+    _noise_floor_is_zero_in_fp32(line, result)
     v1 = load_release(MODEL, line["v1"], dtype="float32").model  # parent.model now holds PEFT's LoRA layers
     assert kl == pytest.approx(whole_forward_kl(line, v1, champion.model), rel=1e-4, abs=1e-7)
 
@@ -128,6 +135,23 @@ def test_a_peft_lora_trained_on_the_champion_is_submitted_gated_promoted_and_ser
     row = next(r for r in history.splitlines() if name in r and "promote" in r)
     assert "submitted peft" in row and line["v1"] in row  # its source, and v1 as what it replaced
     assert atlas("gate", "--model", MODEL, "--explain", name) == 0
+
+
+def _noise_floor_is_zero_in_fp32(line, result: dict) -> None:
+    """The champion (v1) re-decoded one question at a time in fp32 answers exactly as in the gate's
+    batching: its noise floor is F = G = W = 0, shown beside the candidate's flips, and its
+    re-decoded answers are stored (once per champion) under <dataset>#b1."""
+    from registry import default_ledger_url, get_answers, init_db
+
+    for domain, n in (("gsm8k", RETAINED["gsm8k_questions"]), ("csqa", RETAINED["csqa_questions"])):
+        check = next(c for c in result["checks"] if c["name"] == f"nfr_upper_vs_champion[{domain}]")
+        assert "noise floor F=0 G=0 W=0" in check["detail"], check
+    with init_db(default_ledger_url(line["state"])) as ledger:
+        stored = {d for d, _ in get_answers(ledger, _version_id(line, line["v1"]))}
+    assert {"gsm8k@4tok#b1", "csqa-choice#b1"} <= stored, stored
+    report = Path(result["report"]).read_text().split("## Answer flips and the noise floor")[1]
+    row = next(r for r in report.splitlines() if r.startswith(f"| {result['version']} | csqa |"))
+    assert row.endswith(f"| 0/0/0 of {RETAINED['csqa_questions']} |"), row
 
 
 @torch.no_grad()
