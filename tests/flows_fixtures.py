@@ -102,6 +102,25 @@ def ledger_counts(state: Path) -> dict[str, int]:
         return {name: s.scalar(select(func.count()).select_from(table)) for name, table in tables.items()}
 
 
+def stored_metrics_from(monkeypatch, extra: dict):
+    """flows.evaluate.stored_metrics of a version (id 9, champion id 1) whose stored evaluation has
+    this `extra` (and no KL or churn rows); the ledger reads are faked, so no cycle runs."""
+    from types import SimpleNamespace
+
+    import registry
+    from flows import evaluate, runtime
+
+    ev = SimpleNamespace(id=3, release_version_id=1, kl=[], churn=[], target_solved=2, target_total=4,
+                         csqa_choice_churn=None)
+    monkeypatch.setattr(runtime, "ledger", lambda: None)
+    monkeypatch.setattr(registry, "latest_evaluation", lambda ledger, version_id: ev)
+    monkeypatch.setattr(registry, "evaluation_extra", lambda ledger, evaluation_id: extra)
+    monkeypatch.setattr(evaluate, "eval_key", lambda ctx: extra.get("eval_key"))
+    ctx = SimpleNamespace(champion=SimpleNamespace(version=SimpleNamespace(id=1)))
+    version = SimpleNamespace(id=9, name="v9", method="atlas", seed=0, epoch=1, step=4)
+    return evaluate.stored_metrics(ctx, version)
+
+
 def _crash_after_checkpoints(config: str, policy: str, after: int) -> None:
     """Run a cycle that dies (SIGKILL: no cleanup at all) right after its `after`-th recorded checkpoint."""
     import signal

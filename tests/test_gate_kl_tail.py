@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 
@@ -15,7 +14,7 @@ from flows import kl_tail
 from flows.gates import CandidateMetrics, Flips, Regression, passed, run_checks
 from flows.kl_tail import KLTail, MovedContext
 from flows.policy import ReleasePolicy, load_policy
-from tests.flows_fixtures import PASSING_POLICY, write_yaml
+from tests.flows_fixtures import PASSING_POLICY, stored_metrics_from, write_yaml
 
 DOMAINS = ["gsm8k", "csqa"]
 # csqa's five contexts; sorted 0.1 0.2 0.3 0.4 0.9, token-weighted mean somewhere near 0.38
@@ -134,10 +133,7 @@ def test_a_bad_tail_limit_is_refused_in_one_line_naming_the_field(tmp_path, fiel
 
 # ------------------------------------------------------------------------ storage
 def test_the_tails_round_trip_through_the_ledger_extra_and_stored_metrics(monkeypatch):
-    import registry
     from registry.rows import json_field
-
-    from flows import evaluate, runtime
 
     tails = {"vs_champion": {"csqa": kl_tail.tail(PER_CONTEXT), "code": KLTail(math.nan, math.nan, math.inf, 4)},
              "vs_base": {"csqa": kl_tail.tail([0.0] * 5)}}
@@ -146,16 +142,7 @@ def test_the_tails_round_trip_through_the_ledger_extra_and_stored_metrics(monkey
              "vs_base": {"csqa": kl_tail.most_moved([0.0] * 5, TEXTS, k=2)}}
     stored = json_field(kl_tail.to_extra(tails, moved), "extra")  # what the ledger accepts: no NaN/inf numbers
     extra = json.loads(json.dumps(stored, allow_nan=False)) | {"eval_key": "k"}
-    ev = SimpleNamespace(id=3, release_version_id=1, kl=[], churn=[], target_solved=2, target_total=4,
-                         csqa_choice_churn=None)
-    monkeypatch.setattr(runtime, "ledger", lambda: None)
-    monkeypatch.setattr(registry, "latest_evaluation", lambda ledger, version_id: ev)
-    monkeypatch.setattr(registry, "evaluation_extra", lambda ledger, evaluation_id: extra)
-    monkeypatch.setattr(evaluate, "eval_key", lambda ctx: "k")
-    ctx = SimpleNamespace(champion=SimpleNamespace(version=SimpleNamespace(id=1)))
-    version = SimpleNamespace(id=9, name="v9", method="atlas", seed=0, epoch=1, step=4)
-
-    found = evaluate.stored_metrics(ctx, version)
+    found = stored_metrics_from(monkeypatch, extra)
     assert found.kl_tail["vs_champion"]["csqa"] == tails["vs_champion"]["csqa"]
     assert found.kl_tail["vs_base"] == tails["vs_base"] and found.kl_top_contexts["vs_base"] == moved["vs_base"]
     assert found.kl_top_contexts["vs_champion"]["csqa"] == moved["vs_champion"]["csqa"]
@@ -166,7 +153,7 @@ def test_the_tails_round_trip_through_the_ledger_extra_and_stored_metrics(monkey
     # An evaluation stored before tails were kept loads with none, and a tail limit then rejects it.
     for key in ("kl_tail", "kl_top_contexts"):
         del extra[key]
-    old = evaluate.stored_metrics(ctx, version)
+    old = stored_metrics_from(monkeypatch, extra)
     assert old is not None and old.kl_tail == {} and old.kl_top_contexts == {}
     check = {c.name: c for c in run_checks(old, policy(max_kl_tail_vs_champion={"csqa": {"max": 1.0}}), DOMAINS)}
     assert not check["kl_max_vs_champion[csqa]"].passed and check["kl_max_vs_champion[csqa]"].measured is None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from types import SimpleNamespace
 
 import pytest
 from scipy import stats as sps
@@ -15,7 +14,7 @@ from evaluation.stats import clopper_pearson_upper, mcnemar_exact_p, min_n_for_z
 from flows.gates import CandidateMetrics, Regression, no_regression_checks
 from flows.policy import NoRegression, ReleasePolicy, load_policy
 from registry import AnswerRecord
-from tests.flows_fixtures import PASSING_POLICY, write_yaml
+from tests.flows_fixtures import PASSING_POLICY, stored_metrics_from, write_yaml
 
 CONFIDENCES = (0.8, 0.9, 0.95, 0.99)
 
@@ -260,20 +259,8 @@ def test_old_stored_regressions_load_and_are_rejected_fail_closed():
 def test_stored_metrics_measures_an_old_evaluation_again(monkeypatch):
     """An evaluation stored before the exact counts is treated as not stored (its answers are, so
     measuring it again is cheap); a new one is read back with its counts."""
-    import registry
-
-    from flows import evaluate, runtime
-
     extra = {"eval_key": "k", "released": {"code": OLD}}
-    ev = SimpleNamespace(id=3, release_version_id=1, kl=[], churn=[], target_solved=2, target_total=4,
-                         csqa_choice_churn=None)
-    monkeypatch.setattr(runtime, "ledger", lambda: None)
-    monkeypatch.setattr(registry, "latest_evaluation", lambda ledger, version_id: ev)
-    monkeypatch.setattr(registry, "evaluation_extra", lambda ledger, evaluation_id: extra)
-    monkeypatch.setattr(evaluate, "eval_key", lambda ctx: "k")
-    ctx = SimpleNamespace(champion=SimpleNamespace(version=SimpleNamespace(id=1)))
-    version = SimpleNamespace(id=9, name="v9", method="atlas", seed=0, epoch=1, step=4)
-    assert evaluate.stored_metrics(ctx, version) is None
+    assert stored_metrics_from(monkeypatch, extra) is None
     extra["released"] = {"code": asdict(paired(32, lost=1, gained=2))}
-    found = evaluate.stored_metrics(ctx, version)
+    found = stored_metrics_from(monkeypatch, extra)
     assert found is not None and found.released["code"] == paired(32, lost=1, gained=2)
