@@ -101,7 +101,7 @@ class CandidateMetrics:
     # tail, and the contexts that moved most. Empty when stored by older code: a tail limit then fails closed.
     kl_tail: dict[str, dict[str, KLTail]] = field(default_factory=dict)
     kl_top_contexts: dict[str, dict[str, list[MovedContext]]] = field(default_factory=dict)
-    # The champion's flips against itself re-decoded at batch size 1, per answered domain (flows/noise_floor.py).
+    # The champion's flips against itself re-decoded in another batching, per answered domain (flows/noise_floor.py).
     flips_floor: dict[str, Flips] = field(default_factory=dict)
 
     def mean_kl(self, which: str) -> float:
@@ -265,7 +265,7 @@ def nfr_checks(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[lis
             if which == "vs_champion":  # the champion's own decoding noise (flows/noise_floor.py)
                 floor = c.flips_floor.get(domain)
                 if floor is not None and floor.n == flips.n:
-                    detail += f"; noise floor F={floor.F} G={floor.G} W={floor.W} (champion re-decoded at batch 1)"
+                    detail += f"; noise floor F={floor.F} G={floor.G} W={floor.W} (champion re-decoded in another batching)"
                     counted = max(flips.F - floor.F, 0) if nfr.above_floor else flips.F
                 elif nfr.above_floor:
                     out.append(GateCheckRecord(name, limit, None, False, "missing: the noise floor was not measured "

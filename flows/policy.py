@@ -59,7 +59,7 @@ class NfrLimits:
                                           factory=dict)
     above_floor: bool = field("Judge flips against the champion above its own noise floor: the bound is computed on "
                               "max(F - F_floor, 0), F_floor the champion's negative flips when its answers are decoded "
-                              "again at batch size 1 (flows/noise_floor.py). A correction, not an exact statistic: off "
+                              "again in another batching (flows/noise_floor.py). A correction, not an exact statistic: off "
                               "by default; the floor is reported beside F either way.", False)
 
     def __post_init__(self) -> None:

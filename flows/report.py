@@ -137,8 +137,8 @@ def write_report(folder: Path, header: dict, outcome_text: str, candidates: list
     lines += check_tables(candidates, outcome)
     if any(c.flips_vs_champion for c in candidates):
         lines += ["", "## Answer flips and the noise floor", "", "F = correct -> wrong, G = wrong -> correct, "
-                  "W = wrong -> another wrong. The floor is the champion against its own answers decoded again one "
-                  "question at a time: flips no update caused.", ""] + flip_table(candidates)
+                  "W = wrong -> another wrong. The floor is the champion against its own answers decoded again in "
+                  "another batching (half the batch size): flips no update caused.", ""] + flip_table(candidates)
     if candidates:
         lines += ["", "## Retained KL per context", "", "Beyond each member's mean: the p95, p99 and max of its "
                   "per-context KL (nats/token; quantiles by linear interpolation) and the contexts that moved most "

@@ -106,10 +106,11 @@ def atlas_files(ledger: Ledger, atlas_id: int) -> tuple[str, str]:
 
 def version_source(ledger: Ledger, version: VersionInfo) -> str:
     """Where a version's delta came from: 'base', 'trained' (an update cycle), or 'submitted
-    <format> sha256:<first 12>' (`atlas submit`: an adapter trained elsewhere)."""
+    <format> sha256:<first 12> from <path or URI>' (`atlas submit`: an adapter trained elsewhere)."""
     if version.training_run_id is None:
         return "base"
     submitted = training_run_config(ledger, version.training_run_id).get("submitted")
     if not submitted:
         return "trained"
-    return f"submitted {submitted.get('format', '?')} sha256:{str(submitted.get('sha256'))[:12]}"
+    return (f"submitted {submitted.get('format', '?')} sha256:{str(submitted.get('sha256'))[:12]} "
+            f"from {submitted.get('source', '?')}")

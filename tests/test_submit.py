@@ -18,7 +18,7 @@ from tests.flows_fixtures import ledger_counts, prefect_harness, write_yaml  # n
 
 MODEL = "tiny-llama.ext"
 RETAINED = {"domains": ["gsm8k", "csqa"], "kl_contexts": 6, "kl_max_tokens": 128, "gsm8k_questions": 2, "csqa_questions": 6,
-            "max_new_tokens": 4, "batch_size": 4, "replay_examples": 8}
+            "max_new_tokens": 4, "batch_size": 4, "generation_batch_size": 2, "replay_examples": 8}
 BASE = {"backbone": "tiny-llama", "dtype": "float32", "layer": 2, "line": "ext", "retained": RETAINED,
         "atlas": {"num_vectors": 64, "charts": 4, "rank": 4},
         "train": {"epochs": 1, "lr": 1.0e-2, "batch_size": 4, "max_length": 512, "on_bad_example": "truncate"}}
@@ -124,7 +124,7 @@ def test_a_peft_lora_trained_on_the_champion_is_submitted_gated_promoted_and_ser
         torch.testing.assert_close(PeftModel.from_pretrained(parent.model, out)(ids).logits, want, **TOL)
 
     kl = next(c["measured"] for c in result["checks"] if c["name"] == "kl_vs_champion[csqa]")
-    assert sorted(batchings) == [1, 16]  # the candidate as configured (generation_batch_size 16); the champion at 1
+    assert sorted(batchings) == [1, 2]  # the candidate as configured; the champion again at half the batch
     _noise_floor_is_zero_in_fp32(line, result)
     v1 = load_release(MODEL, line["v1"], dtype="float32").model  # parent.model now holds PEFT's LoRA layers
     assert kl == pytest.approx(whole_forward_kl(line, v1, champion.model), rel=1e-4, abs=1e-7)
@@ -134,13 +134,17 @@ def test_a_peft_lora_trained_on_the_champion_is_submitted_gated_promoted_and_ser
     history = capsys.readouterr().out
     row = next(r for r in history.splitlines() if name in r and "promote" in r)
     assert "submitted peft" in row and line["v1"] in row  # its source, and v1 as what it replaced
+    assert str((tmp_path / "adapter").resolve()) in row
+    assert atlas("compare", "--model", MODEL, line["v1"], name) == 0
+    assert f"B = {name} (submitted peft sha256:{submitted['sha256'][:12]}" in capsys.readouterr().out
     assert atlas("gate", "--model", MODEL, "--explain", name) == 0
 
 
 def _noise_floor_is_zero_in_fp32(line, result: dict) -> None:
-    """The champion (v1) re-decoded one question at a time in fp32 answers exactly as in the gate's
-    batching: its noise floor is F = G = W = 0, shown beside the candidate's flips, and its
-    re-decoded answers are stored (once per champion) under <dataset>#b1."""
+    """The champion (v1) re-decoded in another batching (GSM8K one question at a time instead of
+    two, CSQA in whole forwards of 2 instead of prefix states in 4) answers in fp32 exactly as in
+    the gate's: its noise floor is F = G = W = 0, shown beside the candidate's flips, and its
+    re-decoded answers are stored (once per champion) under <dataset>#b<batch>."""
     from registry import default_ledger_url, get_answers, init_db
 
     for domain, n in (("gsm8k", RETAINED["gsm8k_questions"]), ("csqa", RETAINED["csqa_questions"])):
@@ -148,7 +152,7 @@ def _noise_floor_is_zero_in_fp32(line, result: dict) -> None:
         assert "noise floor F=0 G=0 W=0" in check["detail"], check
     with init_db(default_ledger_url(line["state"])) as ledger:
         stored = {d for d, _ in get_answers(ledger, _version_id(line, line["v1"]))}
-    assert {"gsm8k@4tok#b1", "csqa-choice#b1"} <= stored, stored
+    assert {"gsm8k@4tok#b1", "csqa-choice#b2"} <= stored, stored
     report = Path(result["report"]).read_text().split("## Answer flips and the noise floor")[1]
     row = next(r for r in report.splitlines() if r.startswith(f"| {result['version']} | csqa |"))
     assert row.endswith(f"| 0/0/0 of {RETAINED['csqa_questions']} |"), row
