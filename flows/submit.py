@@ -74,9 +74,10 @@ def submit_candidate(source: str, line: str, parent: str = "champion", skill: Op
         bb = runtime.load_backbone(model.backbone if model else backbone or DEFAULT_BACKBONE, "float32")
         weights = _check_backbone(model, bb)
         base = _parent(runtime, model, parent, name)
-        delta_file, kind, origin = _delta_file(source, bb, Path(tmp), base, runtime.platform())
-        delta = _verified_on_chain(delta_file, base, bb.model)
-        return _record(runtime.platform(), model or line, bb, weights, base, delta_file, kind, origin, delta,
+        found = _delta_file(source, bb, Path(tmp), base, runtime.platform())
+        atlas = _atlas_of(runtime, found)
+        delta = _verified_on_chain(found.path, base, bb.model, atlas)
+        return _record(runtime.platform(), model or line, bb, weights, base, found, atlas, delta,
                        skill or (model.line if model else line), name)
 
 
@@ -123,28 +124,41 @@ def _parent(runtime, model, ref: str, name: Optional[str]) -> _Parent:
     return _Parent(v.name, v, tuple(d.adapter_sha256 for d in applied.deltas), runtime.chain(applied))
 
 
-def _delta_file(source: str, bb, tmp: Path, parent: _Parent, platform) -> tuple[Path, str, dict]:
-    """(a verified delta file with its manifest, its kind, where it came from) for any accepted source."""
+@dataclass(frozen=True)
+class _Found:
+    """A submitted delta as a verified file with its manifest, wherever it came from."""
+
+    path: Path
+    kind: str
+    origin: dict  # source, sha256 of what was submitted, format
+    atlas_sha256: Optional[str] = None  # the atlas an ATLAS residual routes with
+    atlas_file: Optional[Path] = None  # that atlas's file, when the source carries it (a release folder)
+
+
+def _delta_file(source: str, bb, tmp: Path, parent: _Parent, platform) -> _Found:
+    """The delta of any accepted source, verified by sha256 (a PEFT folder converted first)."""
+    from dataclasses import replace
+
     from atlas_core.io import load_verified
     from atlas_core.peft_lora import CONFIG_FILE, from_peft_folder
 
     if source.startswith(("models:/", "runs:/")):
-        folder, kind, origin = _delta_file(str(_downloaded(source, tmp, platform)), bb, tmp, parent, platform)
-        return folder, kind, origin | {"source": source}
+        found = _delta_file(str(_downloaded(source, tmp, platform)), bb, tmp, parent, platform)
+        return replace(found, origin=found.origin | {"source": source})
     path = Path(source).expanduser()
     if path.is_dir() and (path / CONFIG_FILE).is_file():
         _check_base_name(path, bb)
         lora_set = from_peft_folder(path, bb.model)
         out = tmp / "delta.safetensors"
         lora_set.save(out)
-        return out, lora_set.kind, {"source": str(path.resolve()), "sha256": lora_set.source["weights_sha256"],
-                                    "format": "peft"}
+        return _Found(out, lora_set.kind, {"source": str(path.resolve()), "sha256": lora_set.source["weights_sha256"],
+                                           "format": "peft"})
     if path.is_dir() and (path / "manifest.json").is_file():
         return _from_release_folder(path, parent)
     if path.is_file() and path.with_suffix(".json").is_file():
         _, manifest = load_verified(path)  # sha256 checked against its manifest
-        return path, str(manifest.get("kind")), {"source": str(path.resolve()), "sha256": manifest["sha256"],
-                                                 "format": "delta"}
+        return _Found(path, str(manifest.get("kind")), {"source": str(path.resolve()), "sha256": manifest["sha256"],
+                                                        "format": "delta"}, manifest.get("atlas_sha256"))
     if path.is_dir():
         raise FileNotFoundError(f"{path}: no {CONFIG_FILE} (a PEFT adapter folder) and no manifest.json "
                                 "(a release folder)")
@@ -167,7 +181,7 @@ def _check_base_name(folder: Path, bb) -> None:
                          f"revision {bb.revision}")
 
 
-def _from_release_folder(folder: Path, parent: _Parent) -> tuple[Path, str, dict]:
+def _from_release_folder(folder: Path, parent: _Parent) -> _Found:
     """A release folder whose chain is the parent's plus one delta: that delta (verified by sha256)."""
     from atlas_core.release import MANIFEST, load_chain
 
@@ -178,12 +192,31 @@ def _from_release_folder(folder: Path, parent: _Parent) -> tuple[Path, str, dict
                          f"{parent.name}'s ({len(parent.adapter_sha256s)} deltas) plus one; submit onto its own "
                          "parent with --parent")
     entry = manifest["chain"][-1]
-    if entry.get("atlas_sha256"):
-        raise ValueError(f"{folder / MANIFEST}: its last delta routes with an atlas; ATLAS residuals join a line "
-                         "through `atlas update`, not by submission")
     path = folder / entry["adapter"]
-    kind = str(_manifest(path).get("kind"))
-    return path, kind, {"source": str(folder.resolve()), "sha256": entry["adapter_sha256"], "format": "release"}
+    atlas = folder / entry["atlas"] if entry.get("atlas") else None
+    return _Found(path, str(_manifest(path).get("kind")), {"source": str(folder.resolve()),
+                  "sha256": entry["adapter_sha256"], "format": "release"}, entry.get("atlas_sha256"), atlas)
+
+
+def _atlas_of(runtime, found: _Found):
+    """The atlas a submitted residual routes with: from the source (a release folder carries it,
+    verified), else one the ledger already holds (e.g. the line's own); None for other kinds."""
+    from atlas_core.atlas import Atlas
+    from registry import find_atlas_file
+
+    if found.atlas_sha256 is None:
+        return None
+    if found.atlas_file is not None:
+        atlas = Atlas.load(found.atlas_file)
+    else:
+        info = find_atlas_file(runtime.ledger(), found.atlas_sha256)
+        if info is None:
+            raise ValueError(f"{found.path}: it routes with atlas sha256 {found.atlas_sha256[:16]}..., which the "
+                             "ledger does not hold; submit a release folder, which carries its atlas")
+        atlas = runtime.stored_atlas(info.id, found.atlas_sha256)
+    if atlas.sha256 != found.atlas_sha256:
+        raise ValueError(f"{found.path}: expects atlas sha256 {found.atlas_sha256}, the atlas found is {atlas.sha256}")
+    return atlas
 
 
 def _manifest(path: Path) -> dict:
@@ -207,14 +240,13 @@ def _downloaded(uri: str, dest: Path, platform) -> Path:
 
 
 @torch.no_grad()
-def _verified_on_chain(path: Path, parent: _Parent, model):
-    """The delta loaded (sha256 verified), attached after the parent's chain and run once: every
-    module it names must exist with its shapes, and the logits must be finite."""
+def _verified_on_chain(path: Path, parent: _Parent, model, atlas):
+    """The delta loaded (sha256 verified; a residual with the atlas it was trained with), attached
+    after the parent's chain and run once: every module it names must exist with its shapes (a
+    residual's layer and width), and the logits must be finite."""
     from atlas_core.chain import load_delta
 
-    delta = load_delta(path, lambda sha: None)
-    if delta.kind == "adapter":  # (residuals routed by an atlas were refused above)
-        raise ValueError(f"{path}: ATLAS residuals join a line through `atlas update`, not by submission")
+    delta = load_delta(path, lambda sha: atlas)
     try:
         with parent.chain.then(delta).attached(model):
             ids = torch.arange(3, 11).unsqueeze(0) % model.config.vocab_size  # (1, 8)
@@ -226,32 +258,47 @@ def _verified_on_chain(path: Path, parent: _Parent, model):
     return delta
 
 
-def _record(p, model, bb, weights: str, parent: _Parent, path: Path, kind: str, origin: dict, delta, skill: str,
+def _record(p, model, bb, weights: str, parent: _Parent, found: _Found, atlas, delta, skill: str,
             name: Optional[str]) -> Submitted:
-    """Store the delta, record it as a finished run with one checkpoint, register the version
-    (`model`: the line, or the name of a line to start on `bb`)."""
+    """Store the delta (and an atlas the ledger does not hold yet), record it as a finished run with
+    one checkpoint, register the version (`model`: the line, or the name of a line to start on `bb`)."""
     from atlas_core.io import sha256_file
     from registry import (base_version, end_mlflow_run, ensure_backbone, ensure_model, find_training_run,
                           log_checkpoint, record_checkpoint, register_version, run_checkpoints, run_versions,
                           start_training_run)
 
-    ledger = p.ledger
+    ledger, path, kind, origin = p.ledger, found.path, found.kind, found.origin
     if isinstance(model, str):  # a new line: the backbone, the line and its base version, get-or-create
         model = ensure_model(ledger, ensure_backbone(ledger, bb.name, bb.revision, weights), model)
     backbone_id = ensure_backbone(ledger, model.backbone, model.revision, weights)  # refuses other weights
     parent_v = parent.version or base_version(ledger, model.id)
     key = digest(["submitted", sha256_file(path), parent_v.id])  # the same delta on the same parent: one version
-    found = find_training_run(ledger, backbone_id, skill, kind, 0, key, model_id=model.id)
-    if found is not None and run_versions(ledger, found[0]):
-        v = run_versions(ledger, found[0])[0]
+    run = find_training_run(ledger, backbone_id, skill, kind, 0, key, model_id=model.id)
+    if run is not None and run_versions(ledger, run[0]):
+        v = run_versions(ledger, run[0])[0]
         return Submitted(model.name, v.name, v.id, parent_v.name, kind, origin["sha256"], new=False)
     adapter, manifest = p.store.put_file(path), p.store.put_file(path.with_suffix(".json"))
     config = {"run_key": key, "submitted": origin | {"kind": kind, "layer": getattr(delta, "layer", None)}}
-    run_id = found[0] if found else start_training_run(ledger, backbone_id, skill, kind, 0, config,
-                                                       model_id=model.id, parent_version_id=parent_v.id)
+    atlas_id = _recorded_atlas(p, backbone_id, found, atlas, delta) if atlas is not None else None
+    run_id = run[0] if run else start_training_run(ledger, backbone_id, skill, kind, 0, config, atlas_id=atlas_id,
+                                                   model_id=model.id, parent_version_id=parent_v.id)
     ckpt = record_checkpoint(ledger, run_id, 0, 0, adapter, {"manifest_sha256": manifest.sha256})
     if len(run_checkpoints(ledger, run_id)) == 1:
         log_checkpoint(ledger, p.bridge, ckpt.id)
     end_mlflow_run(ledger, p.bridge, run_id, "finished")
     v = register_version(ledger, ckpt.id, name=name)
     return Submitted(model.name, v.name, v.id, parent_v.name, kind, origin["sha256"], new=True)
+
+
+def _recorded_atlas(p, backbone_id: int, found: _Found, atlas, delta) -> int:
+    """The ledger id of a submitted residual's atlas: the one recorded with this file, or the file
+    from the release folder stored and recorded now (content hash: its own sha256)."""
+    from atlas_core.io import manifest_path
+    from registry import find_atlas_file, record_atlas
+
+    info = find_atlas_file(p.ledger, atlas.sha256)
+    if info is not None:
+        return info.id
+    artifact, manifest = p.store.put_file(found.atlas_file), p.store.put_file(manifest_path(found.atlas_file))
+    config = {"submitted": found.origin["source"], "manifest_sha256": manifest.sha256}
+    return record_atlas(p.ledger, atlas.sha256, backbone_id, delta.config.layer, config, artifact).id

@@ -63,6 +63,7 @@ from registry.lineage import (
     ensure_backbone,
     ensure_dataset,
     find_atlas,
+    find_atlas_file,
     finish_training_run,
     last_checkpoint,
     link_mlflow_run,

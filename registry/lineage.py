@@ -79,6 +79,14 @@ def find_atlas(ledger: Ledger, content_hash: str) -> Optional[AtlasInfo]:
         return _atlas_info(row) if row else None
 
 
+def find_atlas_file(ledger: Ledger, artifact_sha256: str) -> Optional[AtlasInfo]:
+    """The first atlas recorded with this file (sha256), e.g. the one a submitted residual routes with."""
+    with ledger.transaction() as s:
+        row = s.scalar(select(Atlas).where(Atlas.artifact_sha256 == check_sha256(artifact_sha256, "atlas sha256"))
+                       .order_by(Atlas.id).limit(1))
+        return _atlas_info(row) if row else None
+
+
 def record_atlas(ledger: Ledger, content_hash: str, backbone_id: int, layer: int,
                  config: dict[str, Any], artifact: StoredArtifact,
                  dataset_ids: Sequence[int] = ()) -> AtlasInfo:

@@ -284,3 +284,22 @@ def test_a_gate_fed_any_value_rejects_and_never_raises(bound):
     upper = wilson_upper if bound == "wilson" else clopper_pearson_upper
     assert measured["nfr_upper_vs_base[csqa]"] == pytest.approx(upper(400, 1221)) and 0.33 < upper(400, 1221) < 0.37
     assert 0 < measured["nfr_upper_vs_base[gsm8k]"] < 1e-8
+
+
+def test_the_gate_candidate_deployment_runs_the_gate_flow_with_loadable_files():
+    """deploy/prefect.yaml's gate-candidate: its entrypoint is the gate flow, its parameters are the
+    flow's, and its config and policy load together (the version and line come with each run)."""
+    import importlib
+    import inspect
+
+    from flows.config import load_update_config
+    from flows.policy import load_cycle_policy
+    from flows.serve import deployment_spec
+
+    spec = deployment_spec("gate-candidate")
+    module, name = spec["entrypoint"].split(":")
+    gate_flow = getattr(importlib.import_module(module.removesuffix(".py").replace("/", ".")), name)
+    assert gate_flow.name == "gate-candidate" and not spec.get("schedules")  # triggered per candidate
+    signature = inspect.signature(gate_flow.fn)
+    assert set(spec["parameters"]) <= set(signature.parameters) and "version" in signature.parameters
+    load_cycle_policy(spec["parameters"]["policy"], load_update_config(spec["parameters"]["config"]))

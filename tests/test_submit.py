@@ -299,10 +299,14 @@ def test_a_lora_only_chain_exports_merged_and_peft_and_every_source_form_is_one_
 
     with mlflow.start_run() as run:
         mlflow.log_artifacts(str(tmp_path / "adapter"), "adapter")
+    from atlas_core.peft_lora import from_peft_folder
+
+    delta = tmp_path / "delta" / "lora.safetensors"  # the platform's own delta file of the same adapter
+    from_peft_folder(tmp_path / "adapter", load_model("tiny-llama", "float32").model).save(delta)
     assert atlas("export", "lora-only", "--model", MODEL, "--format", "folder", "--out", str(tmp_path / "folder")) == 0
     capsys.readouterr()
     counts = ledger_counts(line["state"])
-    for source in (f"runs:/{run.info.run_id}/adapter", str(tmp_path / "folder")):
+    for source in (f"runs:/{run.info.run_id}/adapter", str(tmp_path / "folder"), str(delta)):
         assert atlas("submit", source, "--line", MODEL, "--parent", "base", "--skill", "b", "--json") == 0
         again = json.loads(capsys.readouterr().out)
         assert again["version"] == "lora-only" and not again["new"], (source, again)
@@ -321,3 +325,31 @@ def test_the_first_adapter_of_a_new_line_starts_it_on_the_base(line, tmp_path, c
     with torch.no_grad():
         got = load_release("tiny-llama.fresh", made["version"], dtype="float32").model(_ids()).logits
     torch.testing.assert_close(got, want, **TOL)
+
+
+def test_an_atlas_residual_joins_from_a_release_folder_or_as_a_delta_file_whose_atlas_is_known(line, tmp_path,
+                                                                                                capsys):
+    """v1's ATLAS residual exported as a release folder and submitted onto the base is v1's model
+    again; its bare delta file is the same version (its atlas is in the ledger now); a delta file
+    routing with an atlas nobody recorded is refused, naming the way that works."""
+    from flows import load_release
+
+    assert atlas("export", line["v1"], "--model", MODEL, "--format", "folder", "--out", str(tmp_path / "v1")) == 0
+    capsys.readouterr()
+    assert atlas("submit", str(tmp_path / "v1"), "--line", MODEL, "--parent", "base", "--skill", "a",
+                 "--name", "a-again", "--json") == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["kind"] == "adapter" and made["version"] == "a-again" and made["new"]
+    ids = _ids()
+    with torch.no_grad():
+        want = load_release(MODEL, line["v1"], dtype="float32").model(ids).logits
+        got = load_release(MODEL, "a-again", dtype="float32").model(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    delta = next((tmp_path / "v1" / "deltas").glob("*.safetensors"))
+    assert atlas("submit", str(delta), "--line", MODEL, "--parent", "base", "--skill", "a", "--json") == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["version"] == "a-again" and not again["new"]
+
+    manifest = json.loads(delta.with_suffix(".json").read_text()) | {"atlas_sha256": "0" * 64}
+    delta.with_suffix(".json").write_text(json.dumps(manifest))
+    assert "submit a release folder" in _refused(capsys, "submit", str(delta), "--line", MODEL, "--parent", "base")
