@@ -10,8 +10,8 @@ The same stages as an update cycle without training (flows/update.py):
 so a submitted adapter is measured exactly as a trained candidate: the config's target skill
 against the champion, every released skill's no-regression, retained KL vs the champion and
 the base on every retained member, NFR and choice churn; the decision is recorded in the
-ledger and on the MLflow version. The version must teach the config's skill; the skill's spec
-is then stored on the version's run, so later cycles keep it as a released skill.
+ledger and on the MLflow version. The version must teach the config's skill; when it passes, the
+skill's spec is stored on the version's run, so later cycles keep it as a released skill.
 A submitted delta may change any layer, so the KL prefix cache ends below its lowest one.
 """
 from __future__ import annotations
@@ -85,13 +85,14 @@ def gate_candidate(version: str, config: str = DEFAULT_CONFIG, policy: str = DEF
         ctx = resolve_lineage(cfg, load_cycle_policy(policy, cfg), flow_run.id)
         v = candidate_version(ledger(), ctx.model.id, version, ctx.skill.name)
         ctx = replace(ctx, lowest_candidate_layer=resolve_applied(v).lowest_layer)
-        if "skill" not in training_run_config(ledger(), v.training_run_id):  # submitted: what it was gated for
-            complete_run_config(ledger(), v.training_run_id, "skill", ctx.skill.to_dict())
         clock.lap("lineage (backbone, ledger, champion chain)")
         m = evaluate_candidate(ctx, v.id)
         record_base(ctx)
         clock.lap(f"evaluate {v.name}")
         outcome = gate(ctx, [m])
+        if outcome.verdict(v.id) and "skill" not in training_run_config(ledger(), v.training_run_id):
+            # a submitted run: the skill spec it passed with, which later cycles keep as released
+            complete_run_config(ledger(), v.training_run_id, "skill", ctx.skill.to_dict())
         release = None
         if promote and outcome.selected is not None:
             release = promote_flow(v.id, f"gate {ctx.policy.label} passed (atlas gate check) on top of "

@@ -13,8 +13,10 @@ The documented way to train on top of a release with your own tools:
 What can be submitted (`source`):
 - a PEFT LoRA adapter folder (any modules of any layers, per-module rank and alpha): converted to
   one frozen delta (atlas_core.peft_lora); options the chain cannot apply exactly are refused;
-- the platform's own delta file (`*.safetensors` + its `.json` manifest, any kind);
-- a release folder whose chain is the parent's plus one delta (that delta is submitted);
+- the platform's own delta file (`*.safetensors` + its `.json` manifest, any kind; an ATLAS
+  residual's atlas must be one the ledger holds);
+- a release folder whose chain is the parent's plus one delta (that delta is submitted, with
+  the atlas it routes with, which is recorded if the ledger does not hold it yet);
 - an MLflow model URI (`models:/...`, `runs:/...`) holding either of the folders above.
 
 Everything is checked before anything is written: the adapter's modules and shapes against the

@@ -109,6 +109,7 @@ def test_a_peft_lora_trained_on_the_champion_is_submitted_gated_promoted_and_ser
     assert {"target_gain_vs_champion", "kl_vs_champion[csqa]", "kl_vs_base[csqa]", "kl_vs_champion[a]",
             "no_regression[a]"} <= names  # the released skill a is kept like for a trained candidate
 
+    _the_skill_it_passed_with_is_kept_for_later_cycles(line, name)
     ids = _ids()
     champion = load_release(MODEL, "champion", dtype="float32")
     assert [d["name"] for d in champion.manifest["chain"]] == [line["v1"], name]
@@ -138,6 +139,19 @@ def test_a_peft_lora_trained_on_the_champion_is_submitted_gated_promoted_and_ser
     assert atlas("compare", "--model", MODEL, line["v1"], name) == 0
     assert f"B = {name} (submitted peft sha256:{submitted['sha256'][:12]}" in capsys.readouterr().out
     assert atlas("gate", "--model", MODEL, "--explain", name) == 0
+
+
+def _the_skill_it_passed_with_is_kept_for_later_cycles(line, name: str) -> None:
+    """A passing submitted version's run records the config's skill spec: the next cycle of another
+    skill finds both skills of the chain (flows.lineage.chain_skill_specs) and keeps them."""
+    from flows.cycle import Applied
+    from flows.lineage import chain_skill_specs
+    from registry import default_ledger_url, get_version, init_db, version_chain
+
+    with init_db(default_ledger_url(line["state"])) as ledger:
+        v = get_version(ledger, _version_id(line, name))
+        specs = chain_skill_specs(ledger, Applied(v, tuple(version_chain(ledger, v.id))))
+    assert [s["name"] for s in specs] == ["a", "b"] and specs[1]["target"]["options"]["source"] == "gsm8k"
 
 
 def _noise_floor_is_zero_in_fp32(line, result: dict) -> None:
