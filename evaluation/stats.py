@@ -23,7 +23,8 @@ from typing import Optional
 RATE_BOUNDS = ("wilson", "clopper-pearson")
 
 
-def _count(v) -> bool:
+def is_count(v) -> bool:
+    """An integer that is not a bool (True would pass as 1)."""
     return isinstance(v, Integral) and not isinstance(v, bool)
 
 
@@ -33,7 +34,7 @@ def _confidence_ok(confidence) -> bool:
 
 def _counts_ok(k, n, confidence) -> bool:
     """Integer counts 0 <= k <= n, n >= 1 (of any size), and a confidence strictly inside (0, 1)."""
-    return _count(k) and _count(n) and 0 <= k <= n and n >= 1 and _confidence_ok(confidence)
+    return is_count(k) and is_count(n) and 0 <= k <= n and n >= 1 and _confidence_ok(confidence)
 
 
 def wilson_upper(k: int, n: int, confidence: float = 0.95) -> float:
@@ -81,7 +82,7 @@ def mcnemar_exact_p(lost: int, gained: int) -> float:
         p = min(1, 2 * P(X <= min(lost, gained))),   X ~ Binomial(m, 1/2);
 
     1.0 when no problem changed (m = 0). NaN for impossible counts."""
-    if not (_count(lost) and _count(gained) and lost >= 0 and gained >= 0):
+    if not (is_count(lost) and is_count(gained) and lost >= 0 and gained >= 0):
         return math.nan
     m = lost + gained
     if m == 0:
@@ -101,7 +102,7 @@ def t_upper(mean: float, sd: float, n: int, confidence: float = 0.95) -> float:
     n < 2 (no spread can be estimated from one value), for a negative or non-finite sd or mean,
     or a confidence outside (0, 1)."""
     numbers = all(isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v) for v in (mean, sd))
-    if not (numbers and _count(n) and n >= 2 and sd >= 0 and _confidence_ok(confidence)):
+    if not (numbers and is_count(n) and n >= 2 and sd >= 0 and _confidence_ok(confidence)):
         return math.nan
     from scipy.special import stdtrit
 

@@ -23,16 +23,18 @@ def _platform():
 
 
 def _check_cycle_files(config: str, policy: str, backbone: str | None = None, skill: str | None = None,
-                       line: str | None = None, snapshot: str | None = None) -> None:
+                       line: str | None = None, snapshot: str | None = None):
     """A cycle's config, policy and snapshot (the `update` flow's parameters), validated before
     Prefect starts: a typo is reported at once, and nothing is opened or written."""
     from .config import load_update_config
     from .policy import load_cycle_policy
     from .skills import resolve_snapshot
 
-    load_cycle_policy(policy, load_update_config(config, backbone=backbone, skill=skill, line=line))
+    cfg = load_update_config(config, backbone=backbone, skill=skill, line=line)
+    load_cycle_policy(policy, cfg)
     if snapshot is not None:
         resolve_snapshot(snapshot)
+    return cfg
 
 
 def cmd_update(args: argparse.Namespace) -> int:
@@ -187,11 +189,9 @@ def _check_gate_inputs(args: argparse.Namespace) -> None:
     """The gate check's files, line and version, validated before Prefect starts (exit 2, one line)."""
     from registry import get_model, model_name_for
 
-    from .config import load_update_config
     from .gate_check import candidate_version
 
-    _check_cycle_files(args.config, args.policy, line=args.line)
-    cfg = load_update_config(args.config, line=args.line)
+    cfg = _check_cycle_files(args.config, args.policy, line=args.line)
     p = _platform()
     try:
         model = get_model(p.ledger, model_name_for(cfg.backbone, cfg.line_name))

@@ -21,6 +21,7 @@ from prefect.cache_policies import NO_CACHE
 from . import kl_tail
 from .cycle import Applied, CycleContext
 from .gates import CandidateMetrics, Flips, Regression
+from .policy import ANSWERED
 from .retries import transient_only
 
 Answers = dict  # question id -> registry.AnswerRecord
@@ -214,8 +215,7 @@ def record_candidate(ctx: CycleContext, m: CandidateMetrics, kl_vs_teacher: dict
     bridge.log_metrics(run_id, {k: v for k, v in numbers.items() if ok(v) is not None}, m.step)
     # The run's versions share one table (MLflow appends); each row names its version and evaluation.
     moved = [{"version": m.name, "evaluation_id": evaluation_id} | row for row in kl_tail.rows(m.kl_top_contexts)]
-    if moved:
-        bridge.log_table(run_id, moved, "kl_top_contexts.json")
+    bridge.log_table(run_id, moved, "kl_top_contexts.json")  # nothing when no rows
     return evaluation_id
 
 
@@ -271,7 +271,7 @@ def evaluate_candidate(ctx: CycleContext, version_id: int) -> CandidateMetrics:
         return found
     applied, champion, base = resolve_applied(version), ctx.champion, ctx.base
     mine, champ, base_ans = (all_answers(ctx, a) for a in (applied, champion, base))
-    watched = [k for k in mine if k in ("gsm8k", "csqa")]  # domains whose answers have churn / NFR
+    watched = [k for k in mine if k in ANSWERED]  # domains whose answers have churn / NFR
     choice = flips(champ["csqa"], mine["csqa"]).churn if "csqa" in mine else None
     target = scorer_for(ctx, "target")
     kl = kl_against(ctx, applied, [base, champion], teachers(ctx))
@@ -286,7 +286,7 @@ def evaluate_candidate(ctx: CycleContext, version_id: int) -> CandidateMetrics:
                          released_regressions(ctx, champ, mine),
                          target_score=score_of(target, mine["target"]), champion_score=score_of(target, champ["target"]),
                          higher_is_better=target.higher_is_better, kl_tail=tails, kl_top_contexts=moved,
-                         flips_floor=flip_floor(ctx))
+                         flips_floor=flip_floor(ctx, champ))
     return replace(m, evaluation_id=record_candidate(ctx, m, vs_teacher))
 
 

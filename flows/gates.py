@@ -13,7 +13,7 @@ from typing import Optional
 
 from registry import GateCheckRecord
 
-from evaluation.stats import clopper_pearson_upper, mcnemar_exact_p, t_upper
+from evaluation.stats import clopper_pearson_upper, is_count, mcnemar_exact_p, t_upper
 
 from .kl_tail import KLTail, MovedContext
 from .policy import ANSWERED, CONTINUOUS, PASS_FAIL, RELEASED, NoRegression, ReleasePolicy
@@ -195,10 +195,6 @@ def kl_tail_checks(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional
     return out
 
 
-def _count(v) -> bool:
-    return isinstance(v, Integral) and not isinstance(v, bool)
-
-
 def _num(v) -> str:
     return f"{v:g}" if _finite(v) else str(v)
 
@@ -211,11 +207,11 @@ def regression_check(name: str, r: Regression, limits: NoRegression) -> GateChec
     if r.kind not in (PASS_FAIL, CONTINUOUS):
         return GateCheckRecord(name, tol, None, False, "missing: stored without the exact paired counts "
                                                        "(evaluated by an older version); evaluate it again")
-    if not _count(r.n) or r.n <= 0:
+    if not is_count(r.n) or r.n <= 0:
         return GateCheckRecord(name, tol, None, False, f"missing: no shared problems scored (n={r.n})")
     scores = f"score {_num(r.score)} vs champion {_num(r.champion_score)}"
     if r.kind == PASS_FAIL:
-        if not (_count(r.lost) and _count(r.gained) and r.lost >= 0 and r.gained >= 0 and r.lost + r.gained <= r.n):
+        if not (is_count(r.lost) and is_count(r.gained) and r.lost >= 0 and r.gained >= 0 and r.lost + r.gained <= r.n):
             return GateCheckRecord(name, tol, math.nan, False,
                                    f"out of range: lost={r.lost}, gained={r.gained} of n={r.n}")
         detail = (f"Clopper-Pearson {conf:.0%} upper bound of the share lost; lost {r.lost}, gained {r.gained} "

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 from .cycle import CycleContext
 from .gates import Flips
-
-FLOOR_KINDS = ("gsm8k", "csqa")  # the answered retained domains (NFR, churn)
+from .policy import ANSWERED
 
 
 def floor_batch(configured: int) -> int:
@@ -33,20 +32,19 @@ def floor_batch(configured: int) -> int:
     return configured // 2 if configured > 1 else 2
 
 
-def flip_floor(ctx: CycleContext) -> dict[str, Flips]:
-    """Per answered domain the cycle watches: the champion's flips against its own answers
-    decoded again in another batching (stored in the ledger: generated once per champion)."""
-    from .evaluate import answer_sets, flips, question_ids, version_answers
+def flip_floor(ctx: CycleContext, champion_answers: dict) -> dict[str, Flips]:
+    """Per answered domain the cycle watches: the champion's flips (its answers in the gate's
+    batching, `champion_answers`: kind -> answers) against its own answers decoded again in another
+    batching (stored in the ledger: generated once per champion)."""
+    from .evaluate import answer_sets, flips, version_answers
 
     r = ctx.config.retained
     configured = {"gsm8k": r.generation_batch_size, "csqa": r.batch_size}
+    datasets = answer_sets(ctx)
     out = {}
-    for kind, dataset in answer_sets(ctx).items():
-        if kind not in FLOOR_KINDS:
-            continue
-        ids, batch = question_ids(ctx, kind), floor_batch(configured[kind])
-        usual = version_answers(ctx, ctx.champion, kind, dataset, ids)
-        again = version_answers(ctx, ctx.champion, kind, f"{dataset}#b{batch}", ids, batch_size=batch)
+    for kind in (k for k in ANSWERED if k in champion_answers):
+        usual, batch = champion_answers[kind], floor_batch(configured[kind])
+        again = version_answers(ctx, ctx.champion, kind, f"{datasets[kind]}#b{batch}", list(usual), batch_size=batch)
         out[kind] = flips(usual, again)
     return out
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Optional
 
 from .config import digest, resolve
 from atlas_core.typed_config import ConfigError, build, field, load_yaml
-from evaluation.stats import RATE_BOUNDS, clopper_pearson_upper, min_n_for_zero, rate_upper, wilson_upper  # noqa: F401
+from evaluation.stats import RATE_BOUNDS, clopper_pearson_upper, min_n_for_zero, rate_upper, wilson_upper  # noqa: F401 (wilson_upper: still importable from here)
 from .kl_tail import STATISTICS
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class NfrLimits:
                     raise ConfigError(f"{name}.{domain}: expected a rate in [0, 1], got {value!r}")
 
     def upper(self, flips: int, n: int) -> float:
-        return nfr_upper_bound(flips, n, self.confidence, self.bound)
+        return rate_upper(flips, n, self.confidence, self.bound)
 
 
 @dataclass
@@ -252,9 +252,3 @@ def load_cycle_policy(path: str | Path, config: "UpdateConfig") -> ReleasePolicy
     """The policy of a cycle on `config`: thresholds for every watched domain, every NFR limit
     provable at the config's question counts (what `atlas update` and `atlas gate check` load)."""
     return load_policy(path, config.domain_names, answered_sizes(config))
-
-
-# ------------------------------------------------------------------------ confidence bounds
-# The bounds live in evaluation/stats.py; wilson_upper and clopper_pearson_upper stay importable from here.
-def nfr_upper_bound(flips: int, n: int, confidence: float = 0.95, bound: str = "wilson") -> float:
-    return rate_upper(flips, n, confidence, bound)

@@ -12,7 +12,7 @@ from pathlib import Path
 from registry.db import Ledger, LedgerError
 from registry.lineage import finish_training_run, link_mlflow_run
 from registry.lines import get_version, set_mlflow_version, short_backbone, version_chain
-from registry.queries import atlas_config, run_checkpoints, training_run_config
+from registry.queries import atlas_config, run_checkpoints, submission
 from registry.mlflow_bridge import MlflowBridge, PyfuncModel
 from registry.models import Atlas, Backbone, Checkpoint, Dataset, RegisteredModel, TrainingRun
 from registry.results import get_answers, latest_gate_decision
@@ -89,7 +89,7 @@ def version_tags(ledger: Ledger, version_id: int) -> dict[str, str]:
         VERSION_TAG: str(v.id), "ledger.checkpoint_id": str(v.checkpoint_id),
         "ledger.training_run_id": str(v.training_run_id),
     }
-    submitted = training_run_config(ledger, v.training_run_id).get("submitted") if v.training_run_id else None
+    submitted = submission(ledger, v)
     tags["source"] = "submitted" if submitted else "trained"  # `atlas submit`: an adapter trained elsewhere
     if submitted:
         tags["source_uri"], tags["source_sha256"] = str(submitted.get("source")), str(submitted.get("sha256"))

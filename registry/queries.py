@@ -104,13 +104,19 @@ def atlas_files(ledger: Ledger, atlas_id: int) -> tuple[str, str]:
 
 
 
+def submission(ledger: Ledger, version: VersionInfo) -> Optional[dict]:
+    """What `atlas submit` recorded on the version's run (source, sha256, format, kind); None for
+    the base and for versions an update cycle trained."""
+    if version.training_run_id is None:
+        return None
+    return training_run_config(ledger, version.training_run_id).get("submitted") or None
+
+
 def version_source(ledger: Ledger, version: VersionInfo) -> str:
     """Where a version's delta came from: 'base', 'trained' (an update cycle), or 'submitted
     <format> sha256:<first 12> from <path or URI>' (`atlas submit`: an adapter trained elsewhere)."""
-    if version.training_run_id is None:
-        return "base"
-    submitted = training_run_config(ledger, version.training_run_id).get("submitted")
+    submitted = submission(ledger, version)
     if not submitted:
-        return "trained"
+        return "base" if version.training_run_id is None else "trained"
     return (f"submitted {submitted.get('format', '?')} sha256:{str(submitted.get('sha256'))[:12]} "
             f"from {submitted.get('source', '?')}")

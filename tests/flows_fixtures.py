@@ -75,14 +75,18 @@ def prefect_harness(request):
     yield
 
 
-@pytest.fixture
-def state(tmp_path, monkeypatch) -> Path:
-    """A fresh project state folder (ledger, store, MLflow) per test."""
-    folder = tmp_path / "state"
+def use_state(monkeypatch, folder: Path) -> Path:
+    """Point the platform at an embedded state folder (ledger, store, MLflow all inside it)."""
     monkeypatch.setenv("ATLAS_STATE_DIR", str(folder))
     for name in ("ATLAS_LEDGER_URL", "ATLAS_ARTIFACT_STORE", "ATLAS_MLFLOW_TRACKING_URI"):
         monkeypatch.delenv(name, raising=False)
     return folder
+
+
+@pytest.fixture
+def state(tmp_path, monkeypatch) -> Path:
+    """A fresh project state folder (ledger, store, MLflow) per test."""
+    return use_state(monkeypatch, tmp_path / "state")
 
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

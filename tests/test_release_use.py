@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.flows_fixtures import prefect_harness, write_yaml  # noqa: F401
+from tests.flows_fixtures import prefect_harness, use_state, write_yaml  # noqa: F401
 
 MODEL = "tiny-llama.use"
 RETAINED = {"domains": ["csqa"], "kl_contexts": 6, "kl_max_tokens": 128, "gsm8k_questions": 2, "csqa_questions": 6,
@@ -40,9 +40,7 @@ def line(prefect_harness, tmp_path_factory):  # noqa: F811
     """A state folder whose line `use` has champion v2 = base + ATLAS residual + Weight-LoRA."""
     tmp = tmp_path_factory.mktemp("use")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ATLAS_STATE_DIR", str(tmp / "state"))
-        for name in ("ATLAS_LEDGER_URL", "ATLAS_ARTIFACT_STORE", "ATLAS_MLFLOW_TRACKING_URI"):
-            mp.delenv(name, raising=False)
+        use_state(mp, tmp / "state")
         from flows.update import update
 
         code = BASE | {"name": "a", "skill": "a", "data": {"source": "mbpp", "train_limit": 8, "val_limit": 4},

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.flows_fixtures import ledger_counts, prefect_harness, write_yaml  # noqa: F401
+from tests.flows_fixtures import ledger_counts, prefect_harness, use_state, write_yaml  # noqa: F401
 
 MODEL = "tiny-llama.ext"
 RETAINED = {"domains": ["gsm8k", "csqa"], "kl_contexts": 6, "kl_max_tokens": 128, "gsm8k_questions": 2, "csqa_questions": 6,
@@ -38,9 +38,7 @@ TOL = dict(rtol=0, atol=1e-5)  # fp32: hooks and PEFT's layers sum the same term
 def line(prefect_harness, tmp_path_factory):  # noqa: F811
     tmp = tmp_path_factory.mktemp("ext")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ATLAS_STATE_DIR", str(tmp / "state"))
-        for name in ("ATLAS_LEDGER_URL", "ATLAS_ARTIFACT_STORE", "ATLAS_MLFLOW_TRACKING_URI"):
-            mp.delenv(name, raising=False)
+        use_state(mp, tmp / "state")
         mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp / 'state' / 'mlflow' / 'mlflow.db'}")
         from flows.update import update
 
