@@ -14,9 +14,10 @@ from pathlib import Path
 
 import yaml
 
+from .errors import InputError
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A configuration value is missing, unknown or of the wrong type; the message names the field."""
 
 

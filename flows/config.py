@@ -37,9 +37,15 @@ class SkillData:
     val_source: str | None = field("JSONL file of validation pairs (for a JSONL source; 'mbpp' uses its validation split).", None)
     train_limit: int | None = field("First N training pairs (null: all).", None)
     val_limit: int | None = field("First N validation pairs (null: all; 0 is not allowed, use null for none).", 16)
+    holdout: float = field("A JSONL source without val_source: the share of its pairs held out as validation pairs "
+                           "(the skill's evaluation, and its retained contexts once released), chosen by a hash of "
+                           "each pair's prompt, so a pair stays on its side in every later snapshot. 0: no split "
+                           "(then val_source is required).", 0.1)
 
     def __post_init__(self) -> None:
         _positive(self, "train_limit", "val_limit")
+        if not 0 <= self.holdout < 1:  # also refuses nan
+            raise ConfigError(f"holdout: expected a share in [0, 1), got {self.holdout!r}")
 
 
 @dataclass
