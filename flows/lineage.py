@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .cycle import Applied, CycleContext
+from .skills import SkillSpec
 
 
 def chain_specs(ledger, champion: Applied) -> list[tuple[object, dict]]:
@@ -34,7 +35,8 @@ def taught_by_chain(ctx: CycleContext, skill_sha256: str) -> Optional[str]:
     from .runtime import ledger
 
     for version, config in chain_specs(ledger(), ctx.champion):
-        if config.get("skill") == ctx.skill.to_dict() and config.get("skill_sha256") == skill_sha256:
+        if (config.get("skill") and SkillSpec.from_dict(config["skill"]) == ctx.skill
+                and config.get("skill_sha256") == skill_sha256):
             return version.name
     return None
 

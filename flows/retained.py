@@ -83,6 +83,7 @@ def member_data(ctx: CycleContext, member: str) -> dict:
     spec = _released(ctx, member)
     if spec is not None:
         s = skill_set(spec)
-        return {"skill": spec.name, "dataset": s.dataset_name, "sha256": s.sha256}
+        split = {"split": s.split} if s.split.startswith("train[holdout") else {}  # other keys stay as before
+        return {"skill": spec.name, "dataset": s.dataset_name, "sha256": s.sha256, **split}
     domain = _domain(ctx, member)
     return {"domain": domain, "sha256": domain_data_sha256(domain)}

@@ -12,9 +12,12 @@ released skill other than S. Each member gives two disjoint sets of texts: gatin
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
+
+from atlas_core.errors import InputError
 
 from .config import SkillData, TargetSpec, UpdateConfig, resolve
 
@@ -38,7 +41,9 @@ class SkillSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "SkillSpec":
-        return cls(d["name"], dict(d["data"]), dict(d["target"]))
+        """A stored spec, its data fields completed with today's defaults (a spec stored before a
+        field existed compares equal to the same spec written now)."""
+        return cls(d["name"], asdict(SkillData(**d["data"])), dict(d["target"]))
 
     def to_dict(self) -> dict:
         return {"name": self.name, "data": self.data, "target": self.target}
@@ -53,16 +58,42 @@ class SkillSpec:
 
 
 def resolve_snapshot(source: str | Path) -> Path:
-    """A skill file, or the newest snapshot (*.jsonl, by modification time, then name) of a folder."""
+    """A skill file, or the newest complete snapshot of a folder of them.
+
+    A folder's snapshots are its `*.jsonl` files, newest = last by name (name them so they sort
+    by time, e.g. 2026-12-03.jsonl; modification times change when files are copied). Only
+    complete files are visible: names starting with '.' are files still being written (write
+    `.name.jsonl`, then rename); and a folder that has `<name>.jsonl.sha256` sidecars takes only
+    snapshots whose sidecar exists and matches (a writer adds the sidecar last)."""
     path = resolve(source)
     if path.is_dir():
-        snapshots = sorted(path.glob("*.jsonl"), key=lambda p: (p.stat().st_mtime, p.name))
+        snapshots = sorted(p for p in path.glob("*.jsonl") if not p.name.startswith(".") and p.is_file())
+        if any(_sidecar(p).is_file() for p in snapshots):
+            snapshots = [p for p in snapshots if _sidecar(p).is_file()]
         if not snapshots:
-            raise ValueError(f"data.source: folder {path} holds no *.jsonl snapshot")
-        return snapshots[-1]
-    if not path.is_file():
-        raise ValueError(f"data.source: expected 'mbpp', 'gsm8k', a JSONL skill file or a folder of them, got {source!r}")
+            raise InputError(f"data.source: folder {path} holds no complete *.jsonl snapshot")
+        path = snapshots[-1]
+    elif not path.is_file():
+        raise InputError(f"data.source: expected 'mbpp', 'gsm8k', a JSONL skill file or a folder of them, got {source!r}")
+    _check_sidecar(path)
     return path
+
+
+def _sidecar(snapshot: Path) -> Path:
+    return snapshot.with_name(snapshot.name + ".sha256")
+
+
+def _check_sidecar(snapshot: Path) -> None:
+    """A snapshot with a sha256 sidecar (`sha256sum` format or the bare hash) must match it."""
+    from atlas_core.io import sha256_file
+
+    sidecar = _sidecar(snapshot)
+    if not sidecar.is_file():
+        return
+    expected = (sidecar.read_text().split() or [""])[0].lower()
+    if sha256_file(snapshot) != expected:
+        raise InputError(f"data.source: {snapshot} does not match its sidecar {sidecar.name} (sha256 {expected[:16]}...): "
+                         "still being written, or changed after it was taken")
 
 
 # ------------------------------------------------------------------------------ pairs
@@ -98,13 +129,50 @@ def skill_set(spec: SkillSpec) -> SkillSet:
         name, sha = (("mbpp-sanitized", known("mbpp/sanitized-mbpp.json").sha256) if data.source == "mbpp"
                      else ("gsm8k-train", known("gsm8k/train.jsonl").sha256))
     else:
-        from registry import sha256_file
+        from atlas_core.io import sha256_file
 
         train = _jsonl_pairs(data.source)
-        val = _jsonl_pairs(data.val_source) if data.val_source else []
+        if data.val_source:
+            val = _jsonl_pairs(data.val_source)
+        else:
+            train, val = holdout_split(train, data.holdout)
         name, sha = Path(data.source).stem, sha256_file(resolve(data.source))
-    split = f"train[:{data.train_limit}]" if data.train_limit else "train"
+    split = "train" if data.val_source or data.source in BUILTIN_SOURCES else f"train[holdout {data.holdout:g}]"
+    split += f"[:{data.train_limit}]" if data.train_limit else ""
     return SkillSet(first(train, data.train_limit), first(val, data.val_limit), name, split, sha)
+
+
+def holdout_split(pairs: list[dict], share: float) -> tuple[list[dict], list[dict]]:
+    """(training pairs, held-out pairs) of one snapshot, in file order.
+
+    A pair is held out when the sha256 of its prompt, read as a number in [0, 1), is below
+    `share`: the split depends on the pair alone, so a pair stays on its side in every later
+    snapshot of the skill (a refreshed snapshot never trains on what an earlier release held
+    out). With share > 0 and two or more pairs, at least one pair lands on each side."""
+    if share <= 0 or len(pairs) < 2:
+        return pairs, []
+    rank = [int(hashlib.sha256(p["prompt"].encode()).hexdigest()[:15], 16) / 16**15 for p in pairs]
+    held = {i for i, r in enumerate(rank) if r < share}
+    if not held:
+        held = {min(range(len(pairs)), key=rank.__getitem__)}
+    if len(held) == len(pairs):
+        held.discard(max(range(len(pairs)), key=rank.__getitem__))
+    return [p for i, p in enumerate(pairs) if i not in held], [p for i, p in enumerate(pairs) if i in held]
+
+
+def require_evaluable(spec: SkillSpec, role: str) -> None:
+    """Refuse, before anything trains, a skill whose data a cycle could not use: the skill taught
+    now (`role` 'target') and every released skill ('released': its held-out pairs are retained
+    KL contexts, its training pairs calibrate the atlas) need both sides, and their files readable."""
+    s = skill_set(SkillSpec(spec.name, spec.data | {"train_limit": None, "val_limit": None}, spec.target))
+    what = "the skill taught now" if role == "target" else "a released skill of the line"
+    if not s.train:
+        raise InputError(f"skill {spec.name!r} ({what}): no training pairs in {spec.data['source']}")
+    if not s.val:
+        fix = ("give data.val_source (a JSONL file of held-out pairs) or data.holdout > 0"
+               if spec.data["source"] not in BUILTIN_SOURCES else "its built-in split is empty")
+        raise InputError(f"skill {spec.name!r} ({what}): no held-out pairs in {spec.data['source']} for its evaluation "
+                         f"and retained contexts; {fix}")
 
 
 def skill_texts(tokenizer, spec: SkillSpec, role: str, limit: int) -> list[str]:

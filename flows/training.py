@@ -50,6 +50,8 @@ def run_key(ctx: CycleContext, method: str, run_config, variant, skill: SkillSet
     key = {"backbone": bb.name, "revision": bb.revision, "dtype": bb.dtype, "method": method,
            "config": run_config.to_dict() | {"atlas": atlas.sha256 if atlas else None},
            "data": [skill.dataset_name, skill.sha256, data.train_limit, data.val_limit, ctx.config.retained.replay_examples]}
+    if skill.split.startswith("train[holdout"):  # keys of runs with a val_source stay as they were before holdouts
+        key["split"] = skill.split
     if ctx.champion_id is not None:  # keys of runs on the bare backbone stay as they were before chains
         key["parent"] = [ctx.champion_id, ctx.champion.version.adapter_sha256]
     return digest(key)

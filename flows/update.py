@@ -79,7 +79,7 @@ def resolve_lineage(config: UpdateConfig, policy: ReleasePolicy, flow_run_id: Op
     from .lineage import chain_skill_specs
     from .policy import PASS_FAIL
     from .runtime import ledger, resolve_applied, scorer
-    from .skills import SkillSpec, released_skills
+    from .skills import SkillSpec, released_skills, require_evaluable
 
     revision, dtype, layers, weights = load_backbone_task(config.backbone, config.dtype)
     backbone_id, model, base, holder = record_lineage(config.backbone, revision, weights, config.line_name)
@@ -87,8 +87,13 @@ def resolve_lineage(config: UpdateConfig, policy: ReleasePolicy, flow_run_id: Op
     champion = resolve_applied(holder)
     skill = SkillSpec.from_config(config)
     released = released_skills(chain_skill_specs(ledger(), champion), skill.name)
+    # Everything a cycle will read of each skill, resolved before anything trains: its files, both
+    # sides of its pairs (the one taught now is a released skill of every later cycle) and its scorer.
+    require_evaluable(skill, "target")
+    for spec in released:
+        require_evaluable(spec, "released")
     for spec in (skill, *released):
-        scorer(spec)  # built (and so validated) before anything trains
+        scorer(spec)
     policy.require_released([s.name for s in released])
     # Thresholds no outcome could meet at these problem counts are refused now, not after training.
     target = scorer(skill)
