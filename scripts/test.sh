@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, slow end-to-end tests included (installs first). Extra args go to pytest.
+# ATLAS_VENV / ATLAS_CONSTRAINTS as in install.sh: which venv, installed from which constraints
+# (tests/test_lock.py checks that venv against the same file; scripts/lock.sh sets both).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -7,4 +9,4 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PREF
 # Passive OpenMP waiting: spinning threads slow small ops 5-10x whenever another process shares the cores.
 export OMP_WAIT_POLICY=PASSIVE
 # -rs: every skipped test with its reason; under CI=true a skip fails the run (tests/ci_plugin.py).
-exec .venv/bin/python -m pytest -q -rs -p no:cacheprovider "$@"
+exec "${ATLAS_VENV:-.venv}/bin/python" -m pytest -q -rs -p no:cacheprovider "$@"
