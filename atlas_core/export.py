@@ -1,7 +1,8 @@
 """Exporting a loaded release (atlas_core.release) for tools that know nothing of the platform.
 
     folder   the release folder itself (+ the backbone's files with bundle_backbone): for
-             `flows.load_release(folder)` and `mlflow models serve` on an air-gapped host
+             `flows.load_release(folder)` and `mlflow models serve` on an air-gapped host; its
+             manifest.json is the loaded release's, with a manifest.sha256 sidecar to match
     peft     a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) that
              `PeftModel.from_pretrained(base, dir)` loads: a chain of LoRA deltas (the platform's
              Weight-LoRA, submitted PEFT LoRAs) as ONE LoRA adapter (what vLLM serves per
@@ -17,6 +18,7 @@ with unit weights; the adapter's scaling is set to 1 (lora_alpha = r per module)
 """
 from __future__ import annotations
 
+import copy
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,9 +27,10 @@ import torch
 
 from .backbone import weights_folder, weights_sha256
 from .chain import Chain, FrozenLoRA
+from .errors import InputError
 from .peft_lora import LoraSet
 from .io import atomic_folder, atomic_write_json
-from .release import MANIFEST, LoadedRelease, read_manifest
+from .release import LoadedRelease, write_manifest
 from .residual import AtlasResidual
 
 FORMATS = ("folder", "peft", "merged")
@@ -36,9 +39,14 @@ FORMATS = ("folder", "peft", "merged")
 def export_folder(release: LoadedRelease, source: str | Path, out: str | Path, bundle_backbone: bool = False) -> Path:
     """Copy the release folder; with `bundle_backbone`, the backbone's files go under backbone/:
     its own weight files when it was loaded from a folder (so they keep the sha256 the release
-    names), else (a model built in-process) saved now and recorded as `bundle_weights_sha256`."""
+    names), else (a model built in-process) saved now and recorded as `bundle_weights_sha256`.
+
+    manifest.json (and its sidecar, atlas_core.release.write_manifest) is written last from
+    `release.manifest`, the manifest the release was verified and loaded with, so the export is the
+    model that ran, whatever happened to the source's manifest since, and verifies on its own."""
+    manifest = copy.deepcopy(release.manifest)
     with atomic_folder(out) as tmp:
-        shutil.copytree(source, tmp, dirs_exist_ok=True)
+        shutil.copytree(source, tmp, dirs_exist_ok=True)  # its manifest.json and sidecar are replaced below
         origin = weights_folder(release.backbone.model)
         if not bundle_backbone or (tmp / "backbone").is_dir():
             pass
@@ -48,9 +56,8 @@ def export_folder(release: LoadedRelease, source: str | Path, out: str | Path, b
             with detached(release):  # the saved weights must be the plain backbone's
                 release.backbone.model.save_pretrained(tmp / "backbone")
             release.backbone.tokenizer.save_pretrained(tmp / "backbone")
-            manifest = read_manifest(tmp)
             manifest["backbone"]["bundle_weights_sha256"] = weights_sha256(release.backbone.model, tmp / "backbone")
-            atomic_write_json(tmp / MANIFEST, manifest)
+        write_manifest(tmp, manifest)
     return Path(out)
 
 
@@ -80,11 +87,11 @@ def _loras(i: int, delta) -> list[FrozenLoRA]:
     if isinstance(delta, LoraSet):
         return delta.loras
     if isinstance(delta, AtlasResidual):
-        raise ValueError(f"delta {i} of the chain is an ATLAS residual: it is input-conditioned (routed by h), "
+        raise InputError(f"delta {i} of the chain is an ATLAS residual: it is input-conditioned (routed by h), "
                          "so it is no LoRA and folds into no weight; export it with --format peft (the ATLAS "
                          "PEFT method) or --format folder")
     if not isinstance(delta, FrozenLoRA):
-        raise ValueError(f"delta {i} of the chain is a {getattr(delta, 'kind', type(delta).__name__)} delta, "
+        raise InputError(f"delta {i} of the chain is a {getattr(delta, 'kind', type(delta).__name__)} delta, "
                          "which is no plain LoRA (e.g. TopLoRA's token-wise gate) and folds into no weight; "
                          "export it with --format folder")
     return [delta]
@@ -101,7 +108,7 @@ def chain_since(release: LoadedRelease, since: str | None) -> Chain:
         return release.chain
     names = [d.get("name") for d in release.manifest["chain"]]
     if since not in names:
-        raise ValueError(f"--since: {since!r} is not in {release.name}'s chain ({', '.join(map(str, names))})")
+        raise InputError(f"--since: {since!r} is not in {release.name}'s chain ({', '.join(map(str, names))})")
     return Chain(release.chain.deltas[names.index(since) + 1:])
 
 
@@ -110,7 +117,7 @@ def export_peft(release: LoadedRelease, out: str | Path, since: str | None = Non
     chain = chain_since(release, since)
     kinds = {isinstance(d, AtlasResidual) for d in chain.deltas}
     if not kinds:
-        raise ValueError(f"{release.name}: no delta to export" + (f" after {since}" if since else ""))
+        raise InputError(f"{release.name}: no delta to export" + (f" after {since}" if since else ""))
     if kinds == {True}:
         from .residual.peft import save_atlas_adapter
 
@@ -118,7 +125,7 @@ def export_peft(release: LoadedRelease, out: str | Path, since: str | None = Non
             save_atlas_adapter(chain, release.model, release.manifest["backbone"]["name"], tmp)
         return Path(out)
     if kinds == {True, False}:
-        raise ValueError(f"{release.name}: its chain mixes ATLAS residuals and LoRA deltas; one PEFT adapter holds "
+        raise InputError(f"{release.name}: its chain mixes ATLAS residuals and LoRA deltas; one PEFT adapter holds "
                          "one method: export with --format folder or mlflow, or the LoRA deltas alone with "
                          "--since <the last ATLAS release>")
     from peft import LoraConfig
@@ -171,12 +178,12 @@ def _provenance(release: LoadedRelease, out: Path, since: str | None = None) -> 
 def export(release: LoadedRelease, source: str | Path, fmt: str, out: str | Path, bundle_backbone: bool = False,
            since: str | None = None) -> Path:
     if since is not None and fmt != "peft":
-        raise ValueError(f"--since: only --format peft exports part of a chain, not --format {fmt}")
+        raise InputError(f"--since: only --format peft exports part of a chain, not --format {fmt}")
     if fmt == "folder":
         return export_folder(release, source, out, bundle_backbone)
     if fmt == "peft":
         return export_peft(release, out, since)
     if fmt == "merged":
         return export_merged(release, out)
-    raise ValueError(f"--format: expected one of {FORMATS}, got {fmt!r}")
+    raise InputError(f"--format: expected one of {FORMATS}, got {fmt!r}")
 

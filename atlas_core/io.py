@@ -51,8 +51,13 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         raise
 
 
+def json_bytes(obj: Any) -> bytes:
+    """The bytes every JSON manifest is written as (keys sorted: the same object, the same sha256)."""
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
 def atomic_write_json(path: str | Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(path, json_bytes(obj))
 
 
 @contextmanager

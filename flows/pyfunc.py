@@ -5,8 +5,11 @@
 
 `ReleaseModel.load_context` rebuilds the chain from the version's own artifacts (the
 release folder under artifacts/release) with atlas_core.release.load_folder, so the model
-runs exactly what the ledger recorded; the backbone is loaded by reference (name, revision,
-weights sha256) unless the folder bundles it. ATLAS_DTYPE / ATLAS_DEVICE choose how it loads.
+runs exactly what the ledger recorded: the manifest is checked against the folder's
+manifest.sha256, every delta and atlas by sha256; the backbone is loaded by reference (name,
+revision, weights sha256) unless the folder bundles it. ATLAS_DTYPE / ATLAS_DEVICE choose how it
+loads; ATLAS_REQUIRE_SIDECAR=0 (a version published before manifest sidecars) and
+ATLAS_VERIFY_BACKBONE=0 (a manifest that names no backbone weights) are the explicit opt-outs.
 """
 from __future__ import annotations
 
@@ -27,7 +30,9 @@ class ReleaseModel(mlflow.pyfunc.PythonModel):
         from evaluation.tiny import load_model
 
         self.release = load_folder(context.artifacts["release"], dtype=os.environ.get("ATLAS_DTYPE", "auto"),
-                                   device=os.environ.get("ATLAS_DEVICE") or None, backbone_loader=load_model)
+                                   device=os.environ.get("ATLAS_DEVICE") or None, backbone_loader=load_model,
+                                   verify_backbone=os.environ.get("ATLAS_VERIFY_BACKBONE") != "0",
+                                   require_sidecar=os.environ.get("ATLAS_REQUIRE_SIDECAR") != "0")
 
     def predict(self, context, model_input, params=None):
         import pandas as pd

@@ -26,11 +26,15 @@ Queries         find_training_run(ledger, backbone_id, skill, method, seed, run_
                 run_checkpoints(ledger, run_id) -> [(id, epoch, step, metrics)]; training_run_config(ledger, run_id)
                 -> dict; run_versions(ledger, run_id) -> [VersionInfo]; evaluation_extra(ledger, id) -> dict;
                 recent_decisions(ledger, model_id, limit); recent_training_runs(ledger, backbone_id, skill, limit,
-                *, model_id=) -> [dict]; atlas_files(ledger, atlas_id) -> (artifact sha256, manifest sha256)
+                *, model_id=) -> [dict]; atlas_files(ledger, atlas_id) -> (artifact sha256, manifest sha256);
+                recorded_manifest_sha256(ledger, version_id) -> sha256 of its release manifest.json, or None
 MLflow          MlflowConfig.local(state_dir) / .server(url, artifact_root); MlflowBridge(config);
                 ensure_mlflow_run(ledger, bridge, training_run_id) -> run_id; log_checkpoint(ledger, bridge,
                 checkpoint_id); publish_version(ledger, store, bridge, version_id) -> mlflow version;
-                sync_version_tags(ledger, bridge, version_id)
+                sync_version_tags(ledger, bridge, version_id); MANIFEST_TAG (the version's manifest sha256)
+Release folders write_release_folder(ledger, store, version_id, folder) -> manifest (records the manifest's
+                sha256 once: a later write that differs raises ArtifactError); release_manifest_sha256(ledger,
+                version_id) -> the recorded sha256 (computed from the ledger and recorded on first use)
 Releases        promote(ledger, bridge, version_id, alias="champion", reason=, flow_run_id=,
                 expected_current=FROM_GATE, require_gate=True) -> ReleaseInfo; mark_candidate(...);
                 rollback(ledger, bridge, model_id, reason) -> ReleaseInfo (to the previous holder, else the base;
@@ -98,10 +102,12 @@ from registry.promotion import (
     rollback,
 )
 from registry.publish import (
+    MANIFEST_TAG,
     end_mlflow_run,
     ensure_mlflow_run,
     log_checkpoint,
     publish_version,
+    release_manifest_sha256,
     sync_version_tags,
     version_tags,
     write_release_folder,
@@ -111,6 +117,7 @@ from registry.queries import (
     evaluation_extra,
     find_training_run,
     recent_decisions,
+    recorded_manifest_sha256,
     recent_training_runs,
     run_checkpoints,
     run_versions,

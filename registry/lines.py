@@ -17,6 +17,7 @@ from registry.db import Ledger, LedgerError
 from registry.models import Atlas, Backbone, Checkpoint, ModelVersion, RegisteredModel, TrainingRun
 from registry.records import ModelInfo, VersionInfo
 from registry.rows import once_more_on_conflict, require_name, require_row
+from registry.store import ArtifactError, check_sha256
 
 
 def _mlflow_safe(text: str) -> str:
@@ -223,3 +224,21 @@ def list_versions(ledger: Ledger, model_id: int, include_retired: bool = True) -
 def set_mlflow_version(ledger: Ledger, version_id: int, mlflow_version: str) -> None:
     with ledger.transaction() as s:
         require_row(s, ModelVersion, version_id, "model version").mlflow_version = str(mlflow_version)
+
+
+def record_manifest_sha256(ledger: Ledger, version_id: int, sha256: str, where: str) -> None:
+    """Record the sha256 of a version's release manifest (`where`: the manifest.json being written),
+    once: the ledger rows a manifest is written from never change, so a later write whose manifest
+    hashes otherwise means the ledger no longer describes the release it recorded, and is refused."""
+    check_sha256(sha256, "manifest sha256")
+    with ledger.transaction() as s:
+        row = s.scalar(select(ModelVersion).where(ModelVersion.id == version_id).with_for_update())
+        if row is None:
+            raise LedgerError(f"model version id {version_id} does not exist in the ledger")
+        if row.manifest_sha256 is None:
+            row.manifest_sha256 = sha256
+        elif row.manifest_sha256 != sha256:
+            raise ArtifactError(f"{where}: the ledger recorded release manifest sha256 {row.manifest_sha256} for "
+                                f"version {row.name} (id {row.id}), the ledger's rows now give {sha256}: a row the "
+                                "release was written from has changed since; the release is refused", where,
+                                row.manifest_sha256)

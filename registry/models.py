@@ -189,6 +189,8 @@ class ModelVersion(Base):
     # 'retired' once rolled back: no cycle promotes it again until a person re-nominates it.
     status: Mapped[str] = mapped_column(String(16), default="active", server_default="active")
     mlflow_version: Mapped[Optional[str]] = mapped_column(String(32))
+    # sha256 of its release folder's manifest.json; written once, the first time the folder is written
+    manifest_sha256: Mapped[Optional[str]] = mapped_column(String(SHA256_LEN), nullable=True)
     created_at: Mapped[datetime] = _created_at()
 
 

@@ -11,17 +11,19 @@ from pathlib import Path
 
 from registry.db import Ledger, LedgerError
 from registry.lineage import finish_training_run, link_mlflow_run
-from registry.lines import get_version, set_mlflow_version, short_backbone, version_chain
-from registry.queries import atlas_config, run_checkpoints, submission
+from registry.lines import get_version, record_manifest_sha256, set_mlflow_version, short_backbone, version_chain
+from registry.queries import atlas_config, recorded_manifest_sha256, run_checkpoints, submission
 from registry.mlflow_bridge import MlflowBridge, PyfuncModel
 from registry.models import Atlas, Backbone, Checkpoint, Dataset, RegisteredModel, TrainingRun
 from registry.results import get_answers, latest_gate_decision
 from registry.rows import require_row
-from registry.store import ArtifactStore, atomic_write_text
+from registry.store import ArtifactStore, atomic_write_text, sha256_bytes
 
 RUN_TAG = "ledger.training_run_id"
 VERSION_TAG = "ledger.version_id"
 RELEASE_FORMAT = 2  # the folder layout atlas_core.release reads
+MANIFEST, SIDECAR = "manifest.json", "manifest.sha256"  # atlas_core.release.MANIFEST / SIDECAR
+MANIFEST_TAG = "manifest_sha256"  # the MLflow model version's tag that `models:/` loads verify
 
 
 def ensure_mlflow_run(ledger: Ledger, bridge: MlflowBridge, training_run_id: int) -> str:
@@ -89,6 +91,9 @@ def version_tags(ledger: Ledger, version_id: int) -> dict[str, str]:
         VERSION_TAG: str(v.id), "ledger.checkpoint_id": str(v.checkpoint_id),
         "ledger.training_run_id": str(v.training_run_id),
     }
+    manifest_sha256 = recorded_manifest_sha256(ledger, version_id)
+    if manifest_sha256 is not None:  # recorded when the release folder is written, before it is published
+        tags[MANIFEST_TAG] = manifest_sha256
     submitted = submission(ledger, v)
     tags["source"] = "submitted" if submitted else "trained"  # `atlas submit`: an adapter trained elsewhere
     if submitted:
@@ -118,35 +123,71 @@ def _delta_files(ledger: Ledger, v) -> dict[str, tuple[str, str | None]]:
     return files
 
 
-def write_release_folder(ledger: Ledger, store: ArtifactStore, version_id: int, folder: Path) -> dict:
-    """The version's release folder (format of atlas_core.release): every delta of its chain and
-    every atlas they route with, each with its manifest (verified copies from the store), the
-    backbone by reference, answers.jsonl and manifest.json (written last). Returns the manifest."""
+def _release_plan(ledger: Ledger, version_id: int) -> tuple[dict, list[tuple[str, str, str | None]]]:
+    """The manifest of a version's release folder and the files it lists, as (path stem in the
+    folder, sha256, the sha256 of the file's own .json manifest or None), from the ledger alone."""
     v = get_version(ledger, version_id)
     with ledger.transaction() as s:
         backbone = s.get(Backbone, s.get(RegisteredModel, v.model_id).backbone_id)
         revision, weights_sha256 = backbone.revision, backbone.weights_sha256
-    chain = []
+    chain, files = [], []
     for i, d in enumerate(version_chain(ledger, version_id), start=1):
         entry = {"ledger_version_id": d.id, "name": d.name, "skill": d.skill, "method": d.method,
                  "adapter_sha256": d.adapter_sha256, "atlas_sha256": d.atlas_sha256, "atlas": None}
         for role, (sha256, manifest_sha256) in _delta_files(ledger, d).items():
             stem = f"deltas/{i:02d}-{d.name}" if role == "adapter" else f"atlases/{sha256[:16]}"
-            store.fetch(sha256, folder / f"{stem}.safetensors")
-            if manifest_sha256 is not None:  # recorded by every cycle; absent only in hand-made ledgers
-                store.fetch(manifest_sha256, folder / f"{stem}.json")
+            files.append((stem, sha256, manifest_sha256))
             entry[role] = f"{stem}.safetensors"
         chain.append(entry)
-    answers = sorted(get_answers(ledger, version_id).values(), key=lambda a: (a.dataset, a.question_id))
-    lines = [json.dumps({"dataset": a.dataset, "question_id": a.question_id, "answer": a.answer,
-                         "correct": a.correct}, sort_keys=True) for a in answers]
-    atomic_write_text(folder / "answers.jsonl", "".join(line + "\n" for line in lines))
     manifest = {"format": RELEASE_FORMAT, "name": v.name, "model": v.model_name, "line": v.line, "skill": v.skill,
                 "backbone": {"name": v.backbone, "revision": revision, "weights_sha256": weights_sha256},
                 "method": v.method, "seed": v.seed, "epoch": v.epoch, "step": v.step,
                 "ledger_version_id": v.id, "ledger_checkpoint_id": v.checkpoint_id,
                 "ledger_parent_version_id": v.parent_id, "chain": chain}
-    atomic_write_text(folder / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest, files
+
+
+def _manifest_bytes(manifest: dict) -> bytes:
+    """manifest.json as written: the same bytes for the same ledger rows, so their sha256 names the release."""
+    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
+
+
+def release_manifest_sha256(ledger: Ledger, version_id: int, where: str = MANIFEST) -> str:
+    """The sha256 of the version's release manifest.json: the one the ledger recorded, else (a
+    version whose folder was never written since the ledger records it) computed and recorded now."""
+    recorded = recorded_manifest_sha256(ledger, version_id)
+    if recorded is not None:
+        return recorded
+    sha256 = sha256_bytes(_manifest_bytes(_release_plan(ledger, version_id)[0]))
+    record_manifest_sha256(ledger, version_id, sha256, where)
+    return sha256
+
+
+def write_release_folder(ledger: Ledger, store: ArtifactStore, version_id: int, folder: Path) -> dict:
+    """The version's release folder (format of atlas_core.release): every delta of its chain and
+    every atlas they route with, each with its manifest (verified copies from the store), the
+    backbone by reference, answers.jsonl, then the manifest's sha256 (`manifest.sha256`, in
+    sha256sum's format) and manifest.json, last: a folder with a manifest.json is complete.
+
+    The manifest's sha256 is recorded in the ledger the first time (write-once, see
+    `record_manifest_sha256`): a later write must give the same bytes or is refused before any file
+    is written. Returns the manifest."""
+    manifest, files = _release_plan(ledger, version_id)
+    data = _manifest_bytes(manifest)
+    sha256 = sha256_bytes(data)
+    record_manifest_sha256(ledger, version_id, sha256, str(folder / MANIFEST))
+    for stem, file_sha256, manifest_sha256 in files:
+        store.fetch(file_sha256, folder / f"{stem}.safetensors")
+        if manifest_sha256 is not None:  # recorded by every cycle; absent only in hand-made ledgers
+            store.fetch(manifest_sha256, folder / f"{stem}.json")
+    answers = sorted(get_answers(ledger, version_id).values(), key=lambda a: (a.dataset, a.question_id))
+    lines = [json.dumps({"dataset": a.dataset, "question_id": a.question_id, "answer": a.answer,
+                         "correct": a.correct}, sort_keys=True) for a in answers]
+    atomic_write_text(folder / "answers.jsonl", "".join(line + "\n" for line in lines))
+    # The sidecar goes first: a crash before manifest.json leaves no manifest to verify (nor a
+    # complete-looking folder), and one over an older folder leaves a pair that does not match.
+    atomic_write_text(folder / SIDECAR, f"{sha256}  {MANIFEST}\n")
+    atomic_write_text(folder / MANIFEST, data.decode())
     return manifest
 
 

@@ -85,6 +85,12 @@ def recent_training_runs(ledger: Ledger, backbone_id: int, skill: Optional[str],
                  "flow_run_id": r.flow_run_id, "started": r.started_at.strftime("%Y-%m-%d %H:%M:%S")} for r in rows]
 
 
+def recorded_manifest_sha256(ledger: Ledger, version_id: int) -> Optional[str]:
+    """The sha256 of a version's release manifest.json the ledger recorded (None: never written yet)."""
+    with ledger.transaction() as s:
+        return require_row(s, ModelVersion, version_id, "model version").manifest_sha256
+
+
 def atlas_config(ledger: Ledger, atlas_id: int) -> dict:
     """The config recorded with an atlas (its fit plan and the manifest's sha256)."""
     with ledger.transaction() as s:

@@ -1,4 +1,5 @@
-"""Migration 0002 (lines and version chains) on a ledger that was written with schema 0001."""
+"""Migration 0002 (lines and version chains) on a ledger that was written with schema 0001;
+migration 0004 (the release manifest's sha256) on one written with schema 0003."""
 from __future__ import annotations
 
 from datetime import datetime, timezone
@@ -10,6 +11,7 @@ from sqlalchemy.exc import IntegrityError
 
 import registry as r
 from registry.db import VERSION_TABLE, make_engine
+from registry.lines import record_manifest_sha256
 from registry.models import ModelVersion
 from tests.conftest_registry import ledger_url  # noqa: F401
 
@@ -77,6 +79,38 @@ def test_upgrade_from_0001_backfills_lines_parents_and_names(ledger_url):
         assert rows(engine, "SELECT id, name FROM ledger_model_versions WHERE id = 3") == [(3, f"{NAME}-r3")]
         r.upgrade(ledger_url)
         assert rows(engine, "SELECT parent_version_id FROM ledger_model_versions WHERE id = 3") == [(1,)]
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_from_0003_leaves_manifests_unrecorded_until_first_written(ledger_url):
+    """Versions of an older ledger have no manifest sha256: the first use computes it from the
+    ledger's rows and records it, once; another one is refused from then on."""
+    engine = make_engine(ledger_url)
+    try:
+        r.upgrade(ledger_url, "0003")
+        tables = sa.MetaData()
+        tables.reflect(engine)
+        with engine.begin() as conn:
+            conn.execute(tables.tables["ledger_backbones"].insert(), [dict(id=1, name="org/tiny", revision="rev-1",
+                                                                          created_at=NOW)])
+            conn.execute(tables.tables["ledger_registered_models"].insert(),
+                         [dict(id=1, name="org--tiny.code", backbone_id=1, line="code", created_at=NOW)])
+            conn.execute(tables.tables["ledger_model_versions"].insert(),
+                         [dict(id=1, registered_model_id=1, name="tiny-base", status="active", created_at=NOW)])
+        r.upgrade(ledger_url)
+        assert rows(engine, "SELECT id, manifest_sha256 FROM ledger_model_versions") == [(1, None)]
+
+        with r.Ledger(ledger_url) as ledger:
+            assert r.recorded_manifest_sha256(ledger, 1) is None
+            sha = r.release_manifest_sha256(ledger, 1)
+            assert r.recorded_manifest_sha256(ledger, 1) == sha == r.release_manifest_sha256(ledger, 1)
+            with pytest.raises(r.ArtifactError, match=sha):
+                record_manifest_sha256(ledger, 1, "1" * 64, "x/manifest.json")
+
+        r.downgrade(ledger_url, "0003")
+        assert "manifest_sha256" not in {c["name"] for c in inspect(engine).get_columns("ledger_model_versions")}
+        assert rows(engine, "SELECT id, name FROM ledger_model_versions") == [(1, "tiny-base")]
     finally:
         engine.dispose()
 

@@ -86,6 +86,11 @@ def test_champion_download_has_the_ledger_files(ledger, store, bridge, mlflow_co
     assert entry["atlas_sha256"] == v1.atlas_sha256 and sha(folder / entry["atlas"]) == v1.atlas_sha256
     answers = [json.loads(line) for line in (folder / "answers.jsonl").read_text().splitlines()]
     assert answers == [{"dataset": "gsm8k", "question_id": "q1", "answer": "1", "correct": False}]
+    # The manifest's sha256: in the ledger, as the version's tag and in the folder's sidecar.
+    manifest_sha = sha(folder / "manifest.json")
+    assert r.recorded_manifest_sha256(ledger, v1.id) == manifest_sha
+    assert bridge.version_tags(v1.model_name, v1.mlflow_version)[r.MANIFEST_TAG] == manifest_sha
+    assert (folder / "manifest.sha256").read_text() == f"{manifest_sha}  manifest.json\n"
     again = bridge.download_version(v1.model_name, "champion", tmp_path / "dl2")
     assert sha(again / entry["adapter"]) == v1.adapter_sha256
 
@@ -111,6 +116,22 @@ def test_publish_refuses_a_corrupted_adapter(ledger, store, bridge):
     with pytest.raises(r.ArtifactCorruptedError, match=v0.adapter_sha256):
         r.publish_version(ledger, store, bridge, v0.id)
     assert r.get_version(ledger, v0.id).mlflow_version is None
+
+
+def test_a_release_folder_written_again_must_be_the_one_recorded(ledger, store, bridge, tmp_path):
+    """Write-once: once a version's manifest sha256 is recorded (here by publishing), a new write
+    from changed ledger rows (the backbone's weights recorded later) is refused before any file."""
+    backbone = unique_backbone()
+    _, (v0,) = make_candidates(ledger, store, backbone, seeds=(0,))
+    r.publish_version(ledger, store, bridge, v0.id)
+    recorded = r.recorded_manifest_sha256(ledger, v0.id)
+    r.write_release_folder(ledger, store, v0.id, tmp_path / "again")  # the same rows: the same bytes
+    assert hashlib.sha256((tmp_path / "again" / "manifest.json").read_bytes()).hexdigest() == recorded
+    r.ensure_backbone(ledger, backbone, "rev-1", "ab" * 32)
+    with pytest.raises(r.ArtifactError, match=recorded) as e:
+        r.write_release_folder(ledger, store, v0.id, tmp_path / "changed")
+    assert str(tmp_path / "changed" / "manifest.json") in str(e.value) and not (tmp_path / "changed").exists()
+    assert r.recorded_manifest_sha256(ledger, v0.id) == recorded
 
 
 def test_promote_and_rollback_move_mlflow_aliases(ledger, store, bridge):

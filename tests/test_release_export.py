@@ -14,7 +14,7 @@ from atlas_core.backbone import weights_sha256
 from atlas_core.chain import Chain, load_delta
 from atlas_core.export import export_folder, export_merged, export_peft
 from atlas_core.io import IntegrityError
-from atlas_core.release import load_folder
+from atlas_core.release import load_folder, write_manifest
 from atlas_core.residual import save_adapter
 from evaluation.tiny import load_model
 from tests.test_chain import saved_atlas, trained_lora, trained_residual
@@ -51,9 +51,9 @@ def write_release(tmp_path: Path, kinds: tuple[str, ...]) -> Path:
                 shutil.copy(tmp_path / f"atlas{suffix}", folder / "atlases" / f"{atlas.sha256[:16]}{suffix}")
             entry |= {"atlas": f"atlases/{atlas.sha256[:16]}.safetensors", "atlas_sha256": atlas.sha256}
         chain.append(entry)
-    (folder / "manifest.json").write_text(json.dumps({
-        "format": 2, "name": f"v{len(kinds)}", "model": f"{TINY}.test", "chain": chain,
-        "backbone": {"name": TINY, "revision": bb.revision, "weights_sha256": weights_sha256(bb.model)}}))
+    backbone = {"name": TINY, "revision": bb.revision, "weights_sha256": weights_sha256(bb.model)}
+    write_manifest(folder, {"format": 2, "name": f"v{len(kinds)}", "model": f"{TINY}.test", "chain": chain,
+                            "backbone": backbone})  # with its manifest.sha256, as every writer does
     return folder
 
 
@@ -118,7 +118,7 @@ def test_other_backbone_weights_are_refused(tmp_path):
     folder = write_release(tmp_path, ("lora",))
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["backbone"]["weights_sha256"] = "1" * 64
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(folder, manifest)  # a release written for other weights (its sidecar matches)
     with pytest.raises(IntegrityError, match="weights do not match"):
         load_folder(folder, dtype="float32", backbone_loader=load_model)
 
