@@ -3,11 +3,15 @@
 `build(cls, data)` checks every value against the dataclass's type hints (str, int, float,
 bool, Optional, list[T], tuple[...], dict[str, T], nested dataclasses) and refuses unknown keys, so a
 typo in a YAML file is an error such as `retained.kl_contexts: expected an integer, got 'many'`
-rather than a silently ignored field.
+rather than a silently ignored field. A number must be finite (`nan`, `.inf`, 'inf' are refused:
+`train.lr: expected a finite number, got nan`) and an integer must fit in 64 bits (every count and
+seed reaches torch, numpy or the ledger as one).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import types
 import typing
 from pathlib import Path
@@ -23,6 +27,19 @@ class ConfigError(InputError):
 
 __all__ = ["ConfigError", "build", "field", "help_of", "load_yaml"]
 
+_INT64 = 2**63
+
+
+def _shape(hint) -> str:
+    """What a YAML value of this type looks like: 'mapping', 'list' or 'scalar'."""
+    if dataclasses.is_dataclass(hint) or typing.get_origin(hint) is dict:
+        return "mapping"
+    return "list" if typing.get_origin(hint) in (list, tuple) else "scalar"
+
+
+def _value_shape(value) -> str:
+    return "mapping" if isinstance(value, dict) else "list" if isinstance(value, (list, tuple)) else "scalar"
+
 
 def _convert(value, hint, where: str):
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -31,8 +48,12 @@ def _convert(value, hint, where: str):
             if type(None) in args:
                 return None
             raise ConfigError(f"{where}: expected a value, got null")
+        options = [a for a in args if a is not type(None)]
+        fitting = [a for a in options if _shape(a) == _value_shape(value)]
+        if len(fitting) == 1 and _shape(fitting[0]) != "scalar":  # a mapping or a list: its own errors name its fields
+            return _convert(value, fitting[0], where)
         errors = []
-        for option in (a for a in args if a is not type(None)):
+        for option in options:
             try:
                 return _convert(value, option, where)
             except ConfigError as e:
@@ -59,16 +80,25 @@ def _convert(value, hint, where: str):
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if not -_INT64 <= value < _INT64:
+            raise ConfigError(f"{where}: expected an integer of at most 64 bits, got {value!r}")
         return value
     if hint is float:
+        number = value
         if isinstance(value, str):  # YAML 1.1 reads 2e-4 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
+        try:
+            number = float(number)
+        except OverflowError:  # an integer beyond any float
+            number = math.inf
+        if not math.isfinite(number):  # YAML .nan / .inf, the strings 'nan' / 'inf', 1e999
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        return number
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
@@ -82,7 +112,7 @@ def build(cls, data, where: str = ""):
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"{where or cls.__name__}: expected a mapping of fields, got {data!r}")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in data if k not in names]
     if unknown:
@@ -92,6 +122,11 @@ def build(cls, data, where: str = ""):
         return cls(**values)
     except ConfigError as e:  # from __post_init__, which names fields relative to its own class
         raise ConfigError(f"{prefix}{e}") from e
+
+
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)  # evaluated once per class (postponed annotations are strings)
 
 
 def load_yaml(path: str | Path) -> dict:

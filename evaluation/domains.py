@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from atlas_core.errors import InputError
 from atlas_core.io import sha256_file
 from atlas_core.typed_config import ConfigError, build, field
 from evaluation.answers import CHECKERS
@@ -60,9 +61,13 @@ class RetainedDomain:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise ConfigError(f"name: expected a name of letters, digits, '_', '.', '-', got {self.name!r}")
         if self.file is None and self.name not in BUILTIN_DOMAINS:
-            raise ConfigError(f"file: domain {self.name!r} is not a built-in {list(BUILTIN_DOMAINS)}, so it needs a JSONL file")
+            raise ConfigError(f"name: {self.name!r} is not a built-in domain {list(BUILTIN_DOMAINS)}; a domain of your own "
+                              "needs a JSONL file (file)")
+        if self.file is not None and not self.file.strip():
+            raise ConfigError(f"file: expected the path of a JSONL file, got {self.file!r}")
         if self.file is not None and self.name in BUILTIN_DOMAINS:
-            raise ConfigError(f"name: {self.name!r} is a built-in domain; give the file's domain a name of its own")
+            raise ConfigError(f"file: {self.name!r} is a built-in domain and reads no file; a file's domain needs a name "
+                              "of its own (name)")
         if self.file is None and self.gate_rows is not None:
             raise ConfigError(f"gate_rows: only for a JSONL domain; built-in {self.name!r} gates on its evaluation split")
         if self.gate_rows is not None and self.gate_rows < 1:
@@ -97,8 +102,8 @@ def validate_domain(spec: DomainSpec, index: int | None = None) -> RetainedDomai
     if not domain.builtin:
         try:
             _file_rows(domain)
-        except ValueError as e:
-            raise ConfigError(f"{where}: {e}") from e
+        except InputError as e:  # it names the field: "file: ..." or "gate_rows: ..."
+            raise ConfigError(f"{where}.{e}") from e
     return domain
 
 
@@ -118,12 +123,17 @@ def validate_domains(specs: list) -> list[RetainedDomain]:
 
 # ------------------------------------------------------------------------------ rows and contexts
 def _file_rows(domain: RetainedDomain) -> dict[str, list[DomainExample]]:
-    """role -> rows of a JSONL domain: the first `gate_rows` gate, the rest calibrate."""
+    """role -> rows of a JSONL domain: the first `gate_rows` gate, the rest calibrate. Errors are
+    InputErrors that start with the field: 'file: ...' (unreadable, or a row breaks the schema)
+    or 'gate_rows: ...' (no row left to calibrate)."""
     path = resolve_path(domain.file)
-    rows = load_domain_jsonl(path)
+    try:
+        rows = load_domain_jsonl(path)
+    except ValueError as e:  # the file and the line are named
+        raise InputError(f"file: {e}") from e
     gate = domain.gate_rows if domain.gate_rows is not None else math.ceil(len(rows) / 2)
     if gate >= len(rows):
-        raise ValueError(f"{domain.file}: {len(rows)} rows, and gate_rows={gate} gate on "
+        raise InputError(f"gate_rows: {domain.file} has {len(rows)} rows, and gate_rows={gate} gate on "
                          f"{'all of them' if gate == len(rows) else 'more than there are'}: none remain to calibrate "
                          "the atlas (the rows after the gating ones); add rows or lower gate_rows")
     return {"gate": rows[:gate], "calibration": rows[gate:]}

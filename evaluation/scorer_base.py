@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from atlas_core.errors import InputError
 from atlas_core.typed_config import build
 from evaluation.userdata import resolve_path
 
@@ -32,11 +33,11 @@ class ProblemScore:
 
     def __post_init__(self) -> None:
         if self.answer is not None and not isinstance(self.answer, str):
-            raise ValueError(f"answer: expected a string or None, got {type(self.answer).__name__}")
+            raise InputError(f"answer: expected a string or None, got {type(self.answer).__name__}")
         if not isinstance(self.correct, bool):
-            raise ValueError(f"correct: expected true or false, got {self.correct!r}")
+            raise InputError(f"correct: expected true or false, got {self.correct!r}")
         if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not math.isfinite(self.value):
-            raise ValueError(f"value: expected a finite number, got {self.value!r}")
+            raise InputError(f"value: expected a finite number, got {self.value!r}")
 
 
 def aggregate_values(aggregate: str, values: dict[str, ProblemScore]) -> float:
@@ -82,7 +83,7 @@ def in_order(ids: list[str], scores: dict[str, ProblemScore], name: str) -> dict
     """`scores` keyed and ordered exactly as `ids`; a missing problem is an error, not a silent 0."""
     missing = [q for q in ids if q not in scores]
     if missing:
-        raise ValueError(f"{name}: no score for {len(missing)} problem(s): {missing[:5]}")
+        raise InputError(f"{name}: no score for {len(missing)} problem(s): {missing[:5]}")
     return {q: scores[q] for q in ids}
 
 
@@ -102,8 +103,8 @@ def mean_score(value: float, correct: bool) -> ProblemScore:
 def parse_options(cls: type, options: dict | None):
     """The options dataclass `cls` from a mapping; errors name `options.<key>`.
 
-    `build` names unknown keys and bad types itself; the classes' __post_init__ raise plain
-    ValueError already naming `options.<key>` (build re-prefixes only its own ConfigError)."""
+    `build` names unknown keys and bad types itself; the classes' __post_init__ raise InputError
+    already naming `options.<key>` (build re-prefixes only its own ConfigError)."""
     return build(cls, options, "options")
 
 
@@ -112,21 +113,21 @@ def positive(options: Any, *names: str) -> None:
     for name in names:
         value = getattr(options, name)
         if value is not None and value < 1:
-            raise ValueError(f"options.{name}: expected a positive integer, got {value!r}")
+            raise InputError(f"options.{name}: expected a positive integer, got {value!r}")
 
 
 def one_of(name: str, value: Any, allowed: tuple | list) -> None:
     if value not in allowed:
-        raise ValueError(f"options.{name}: expected one of {list(allowed)}, got {value!r}")
+        raise InputError(f"options.{name}: expected one of {list(allowed)}, got {value!r}")
 
 
 def existing_file(name: str, path: str) -> Path:
-    """The resolved file of option `name`, or a ValueError naming it."""
+    """The resolved file of option `name`, or an InputError naming it."""
     if not path:
-        raise ValueError(f"options.{name}: expected the path of a JSONL file, got {path!r}")
+        raise InputError(f"options.{name}: expected the path of a JSONL file, got {path!r}")
     resolved = resolve_path(path)
     if not resolved.is_file():
-        raise ValueError(f"options.{name}: file not found: {path} (looked at {resolved})")
+        raise InputError(f"options.{name}: file not found: {path} (looked at {resolved})")
     return resolved
 
 

@@ -16,7 +16,9 @@ on every call: exactly the listed ids, ProblemScore values, a 'sum' value equal 
 
 `build_scorer` is cheap (no model, no generation) and every error is a ConfigError
 (a ValueError) naming `target.scorer` or `target.options.<key>`, so a flow can validate
-every skill's scorer before any training starts.
+every skill's scorer before any training starts. `check_scorer` is what an update config
+runs when it loads: the same checks, except that a user's module is not imported yet.
+A user scorer that breaks its contract while scoring raises InputError naming it.
 """
 from __future__ import annotations
 
@@ -26,11 +28,12 @@ import inspect
 import math
 from typing import Any
 
+from atlas_core.errors import InputError
 from atlas_core.typed_config import ConfigError
 from evaluation.scorer_base import AGGREGATES, ProblemScore, TargetScorer, in_order, parse_options
 from evaluation.scorers_builtin import BUILTIN_SCORERS
 
-__all__ = ["SCORERS", "ProblemScore", "TargetScorer", "UserScorer", "build_scorer"]
+__all__ = ["SCORERS", "ProblemScore", "TargetScorer", "UserScorer", "build_scorer", "check_scorer"]
 
 SCORERS: tuple[str, ...] = tuple(BUILTIN_SCORERS)
 
@@ -56,11 +59,29 @@ def build_scorer(name: str, options: dict | None = None) -> TargetScorer:
                       "or 'package.module:Factory'")
 
 
+def check_scorer(name: str, options: dict | None = None) -> None:
+    """build_scorer's checks, cheap enough for loading a config: a built-in is built (no model,
+    no data set loaded; a file option is read and schema-checked); a user's
+    'package.module:Factory' is checked for its form only (imported and called when the cycle
+    builds it). Errors name `target.scorer` or `target.options.<key>`."""
+    if isinstance(name, str) and name not in BUILTIN_SCORERS and ":" in name:
+        _user_spec(name)
+        if options is not None and not isinstance(options, dict):
+            raise ConfigError(f"target.options: expected a mapping of option names to values, got {options!r}")
+        return
+    build_scorer(name, options)
+
+
 # ------------------------------------------------------------------------------ user scorers
-def _user_scorer(spec: str, options: dict) -> UserScorer:
+def _user_spec(spec: str) -> tuple[str, str]:
     module_name, _, attr = spec.partition(":")
-    if not module_name or not attr.isidentifier():
+    if not module_name or not all(p.isidentifier() for p in module_name.split(".")) or not attr.isidentifier():
         raise ConfigError(f"target.scorer: expected 'package.module:Factory', got {spec!r}")
+    return module_name, attr
+
+
+def _user_scorer(spec: str, options: dict) -> UserScorer:
+    module_name, attr = _user_spec(spec)
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or whatever the module raises while it is imported
@@ -127,20 +148,20 @@ class UserScorer(TargetScorer):
     def problem_ids(self) -> list[str]:
         ids = self.inner.problem_ids()
         if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(q, str) for q in ids):
-            raise ValueError(f"{self.spec}: problem_ids() must return a non-empty list of strings, got {ids!r:.120}")
+            raise InputError(f"{self.spec}: problem_ids() must return a non-empty list of strings, got {ids!r:.120}")
         if len(set(ids)) != len(ids):
-            raise ValueError(f"{self.spec}: problem_ids() repeats an id")
+            raise InputError(f"{self.spec}: problem_ids() repeats an id")
         return list(ids)
 
     def score(self, model: Any, tokenizer: Any) -> dict[str, ProblemScore]:
         got = self.inner.score(model, tokenizer)
         if not isinstance(got, dict):
-            raise ValueError(f"{self.spec}: score() must return a dict of problem id -> ProblemScore, "
+            raise InputError(f"{self.spec}: score() must return a dict of problem id -> ProblemScore, "
                              f"got {type(got).__name__}")
         ids = self.problem_ids()
         extra = sorted(set(got) - set(ids))
         if extra:
-            raise ValueError(f"{self.spec}: score() scored problems not in problem_ids(): {extra[:5]}")
+            raise InputError(f"{self.spec}: score() scored problems not in problem_ids(): {extra[:5]}")
         out = in_order(ids, got, self.spec)
         for q, s in out.items():
             self._check(q, s)
@@ -148,12 +169,12 @@ class UserScorer(TargetScorer):
 
     def _check(self, q: str, s: Any) -> None:
         if not isinstance(s, ProblemScore):
-            raise ValueError(f"{self.spec}: score()[{q!r}] is a {type(s).__name__}, expected a ProblemScore")
+            raise InputError(f"{self.spec}: score()[{q!r}] is a {type(s).__name__}, expected a ProblemScore")
         if self.aggregate == "sum" and s.value != float(s.correct):
-            raise ValueError(f"{self.spec}: score()[{q!r}].value is {s.value!r}; a 'sum' scorer's value is 1.0 "
+            raise InputError(f"{self.spec}: score()[{q!r}].value is {s.value!r}; a 'sum' scorer's value is 1.0 "
                              f"when correct, else 0.0 (correct is {s.correct})")
         if self.aggregate == "mean" and not _holds(s.answer, s.value):
-            raise ValueError(f"{self.spec}: score()[{q!r}].answer is {s.answer!r}; a 'mean' scorer writes its value "
+            raise InputError(f"{self.spec}: score()[{q!r}].answer is {s.answer!r}; a 'mean' scorer writes its value "
                              f"({s.value!r}) as the answer, the only number the ledger keeps")
 
 

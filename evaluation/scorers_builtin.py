@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from atlas_core.backbone import full_hidden, head_logits
+from atlas_core.errors import InputError
 from atlas_core.train import TrainConfig, collate, prepare_data, render_chat
 from atlas_core.typed_config import field
 from evaluation.answers import CHECKERS, grade_answer
@@ -171,7 +172,7 @@ class ExactMatchScorer(TargetScorer):
         try:
             self.rows = _first(load_answer_jsonl(path), o.limit)
         except ValueError as e:
-            raise ValueError(f"options.file: {e}") from e
+            raise InputError(f"options.file: {e}") from e
         self.dataset = f"exact-match@{file_tag(path)}:{limit_tag(o.limit)}:{o.max_new_tokens}tok:{o.checker}"
 
     def problem_ids(self) -> list[str]:
@@ -243,7 +244,7 @@ class PairOptions:
         else:
             existing_file("source", self.source)
             if self.split is not None:
-                raise ValueError(f"options.split: only for the built-in sources {list(PAIR_SOURCES)}; a file is "
+                raise InputError(f"options.split: only for the built-in sources {list(PAIR_SOURCES)}; a file is "
                                  f"read whole, got split {self.split!r}")
         positive(self, "limit", "batch_size", "max_length")
 
@@ -261,7 +262,7 @@ class _PairScorer(TargetScorer):
             try:
                 self._file_pairs = [{"prompt": e.prompt, "response": e.response, "id": e.id} for e in load_skill_jsonl(path)]
             except ValueError as e:
-                raise ValueError(f"options.source: {e}") from e
+                raise InputError(f"options.source: {e}") from e
             where = file_tag(path)
         self.source_tag = f"{where}:{limit_tag(o.limit)}:{o.max_length}tok"
 
@@ -290,7 +291,7 @@ class ReferenceNLLOptions(PairOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.solved_below > 0:
-            raise ValueError(f"options.solved_below: expected a positive number of nats/token, got {self.solved_below!r}")
+            raise InputError(f"options.solved_below: expected a positive number of nats/token, got {self.solved_below!r}")
 
 
 class ReferenceNLLScorer(_PairScorer):
@@ -309,7 +310,7 @@ class ReferenceNLLScorer(_PairScorer):
         ids = self.problem_ids()
         dropped = [q for q in ids if q not in stats]
         if dropped:  # a mean over the rest would silently change what is measured
-            raise ValueError(f"reference-nll: {len(dropped)} pair(s) have no response token within options.max_length="
+            raise InputError(f"reference-nll: {len(dropped)} pair(s) have no response token within options.max_length="
                              f"{self.options.max_length}: {dropped[:5]}; raise max_length or shorten their prompts")
         return {q: mean_score(stats[q].nll, stats[q].nll < self.options.solved_below) for q in ids}
 
@@ -321,7 +322,7 @@ class ResponseMatchOptions(PairOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0 < self.threshold <= 1:
-            raise ValueError(f"options.threshold: expected a value in (0, 1], got {self.threshold!r}")
+            raise InputError(f"options.threshold: expected a value in (0, 1], got {self.threshold!r}")
 
 
 class ResponseMatchScorer(_PairScorer):

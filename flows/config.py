@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from atlas_core.typed_config import ConfigError, build, field, load_yaml
 
 SCORERS = ("mbpp-plus", "response-match")
 EVALUATE = ("epoch-ends", "all", "final")
+SKILL_SOURCES = ("mbpp", "gsm8k")  # built-in skill sources (flows/skills.py); anything else is a path
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a skill or line: a key in policies, the ledger and model names
 
 
 def _positive(obj, *names: str) -> None:
@@ -27,6 +30,20 @@ def _positive(obj, *names: str) -> None:
         value = getattr(obj, name)
         if value is not None and value < 1:
             raise ConfigError(f"{name}: expected a positive integer (or null where allowed), got {value!r}")
+
+
+def _nonempty(obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and not value.strip():
+            raise ConfigError(f"{name}: expected a non-empty string, got {value!r}")
+
+
+def _existing(name: str, path: str, folder_ok: bool = False) -> None:
+    """A path field names a file (or folder) that exists, as given or relative to the project."""
+    found = resolve(path)
+    if not (found.is_file() or (folder_ok and found.is_dir())):
+        raise ConfigError(f"{name}: no such {'file or folder' if folder_ok else 'file'}: {path!r} (looked at {found})")
 
 
 @dataclass
@@ -46,6 +63,20 @@ class SkillData:
         _positive(self, "train_limit", "val_limit")
         if not 0 <= self.holdout < 1:  # also refuses nan
             raise ConfigError(f"holdout: expected a share in [0, 1), got {self.holdout!r}")
+        if not self.source.strip():
+            raise ConfigError(f"source: expected {' or '.join(map(repr, SKILL_SOURCES))}, a JSONL skill file or a folder "
+                              f"of them, got {self.source!r}")
+        if self.source in SKILL_SOURCES:
+            if self.val_source is not None:
+                raise ConfigError(f"val_source: only for a JSONL source; {self.source!r} has its own validation pairs")
+            return
+        _existing("source", self.source, folder_ok=True)
+        if self.val_source is not None:
+            _nonempty(self, "val_source")
+            _existing("val_source", self.val_source)
+        elif self.holdout == 0:
+            raise ConfigError("holdout: 0 holds no pair out of a JSONL source, so there would be no validation pairs; "
+                              "expected a share in (0, 1) or a val_source file")
 
 
 @dataclass
@@ -57,8 +88,12 @@ class TargetSpec:
         "options are errors, checked before any training starts.", factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.scorer:
-            raise ConfigError("scorer: expected a scorer name (see evaluation/scorers.py)")
+        from evaluation.scorers import check_scorer
+
+        try:  # a built-in is built (no model, no data loaded); a user's Factory is checked for its form
+            check_scorer(self.scorer, self.options)
+        except ConfigError as e:
+            raise ConfigError(str(e).removeprefix("target.")) from e
 
 
 @dataclass
@@ -99,6 +134,8 @@ class AtlasSpec:
 
     def __post_init__(self) -> None:
         _positive(self, "num_vectors", "per_example", "charts", "rank")
+        if self.seed < 0:
+            raise ConfigError(f"seed: expected an integer >= 0, got {self.seed!r}")
 
 
 @dataclass
@@ -112,9 +149,18 @@ class TrainOverrides:
     checkpoint_every_steps: int | None = field("Override train.checkpoint_every_steps (null: keep).", None)
 
     def __post_init__(self) -> None:
+        from atlas_core.train.config import BAD_EXAMPLE_POLICIES
+
         _positive(self, "epochs", "batch_size", "max_length")
         if self.lr is not None and not self.lr > 0:
             raise ConfigError(f"lr: expected a positive number, got {self.lr!r}")
+        if self.on_bad_example is not None and self.on_bad_example not in BAD_EXAMPLE_POLICIES:
+            raise ConfigError(f"on_bad_example: expected one of {BAD_EXAMPLE_POLICIES} or null, got {self.on_bad_example!r}")
+        if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 0:
+            raise ConfigError(f"checkpoint_every_steps: expected an integer >= 0 or null, got {self.checkpoint_every_steps!r}")
+        if not self.configs_dir.strip() or not resolve(self.configs_dir).is_dir():
+            raise ConfigError(f"configs_dir: expected a folder of run configs, got {self.configs_dir!r} "
+                              f"(looked at {resolve(self.configs_dir)})")
 
 
 @dataclass
@@ -138,6 +184,12 @@ class UpdateConfig:
     train: TrainOverrides = field("Training settings applied to every candidate method.", factory=TrainOverrides)
 
     def __post_init__(self) -> None:
+        _nonempty(self, "name", "backbone")
+        for name in ("skill", "line"):
+            value = getattr(self, name)
+            if value is not None and not NAME.match(value):
+                raise ConfigError(f"{name}: expected a name of letters, digits, '_', '.', '-' (a key in policies and the "
+                                  f"ledger), got {value!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
         if self.evaluate not in EVALUATE:

@@ -17,6 +17,7 @@ for NFR, `require_feasible_released` / `require_feasible_target` once the scorer
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -34,6 +35,7 @@ PASS_FAIL, CONTINUOUS = "pass-fail", "continuous"  # kinds of released-skill sco
 RELEASED = "released"
 ANSWERED = ("gsm8k", "csqa")  # retained domains whose questions are answered (churn, NFR); others are KL-only  # key of the thresholds that apply to every released skill not named itself
 SELECTION = ("lowest-kl-vs-champion", "lowest-kl-vs-base")
+METHOD = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a run config's file name without .yaml
 
 
 @dataclass
@@ -43,10 +45,29 @@ class Candidates:
     seeds: list[int] = field("Seeds; every method is trained once per seed.", factory=lambda: [0])
 
     def __post_init__(self) -> None:
-        if not self.methods or len(set(self.methods)) != len(self.methods):
-            raise ConfigError(f"methods: expected a non-empty list of distinct names, got {self.methods!r}")
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise ConfigError(f"seeds: expected a non-empty list of distinct integers, got {self.seeds!r}")
+        for name, items in (("methods", self.methods), ("seeds", self.seeds)):
+            if not items:
+                raise ConfigError(f"{name}: expected a non-empty list of distinct {'names' if name == 'methods' else 'seeds'}, "
+                                  f"got {items!r}")
+            for i, item in enumerate(items):
+                if items.index(item) != i:
+                    raise ConfigError(f"{name}[{i}]: {item!r} is listed twice (also at index {items.index(item)})")
+        for i, method in enumerate(self.methods):
+            if not METHOD.match(method):
+                raise ConfigError(f"methods[{i}]: expected the name of a run config (<name>.yaml in train.configs_dir), "
+                                  f"got {method!r}")
+        for i, seed in enumerate(self.seeds):
+            if not 0 <= seed < 2**31:  # the ledger stores it in a 32-bit column
+                raise ConfigError(f"seeds[{i}]: expected an integer in [0, 2**31), got {seed!r}")
+
+    def require_run_configs(self, configs_dir: str) -> None:
+        """Every method names a run config <configs_dir>/<method>.yaml (the update config's train.configs_dir)."""
+        folder = resolve(configs_dir)
+        for i, method in enumerate(self.methods):
+            if not (folder / f"{method}.yaml").is_file():
+                known = sorted(p.stem for p in folder.glob("*.yaml"))
+                raise ConfigError(f"candidates.methods[{i}]: no run config {method}.yaml in {configs_dir} "
+                                  f"(train.configs_dir of the update config); expected one of {known}")
 
 
 @dataclass
@@ -142,8 +163,10 @@ class ReleasePolicy:
     selection: str = field(f"Among passing checkpoints, pick by {SELECTION} (mean over domains).", "lowest-kl-vs-champion")
 
     def __post_init__(self) -> None:
-        if self.min_target_gain < 0:
-            raise ConfigError(f"min_target_gain: expected an integer >= 0, got {self.min_target_gain!r}")
+        if not self.name.strip():
+            raise ConfigError(f"name: expected a non-empty policy name, got {self.name!r}")
+        if self.min_target_gain < 0:  # finite: typed_config refuses nan and inf
+            raise ConfigError(f"min_target_gain: expected a number >= 0, got {self.min_target_gain!r}")
         for name in ("max_kl_vs_champion", "max_kl_vs_base"):
             for domain, value in getattr(self, name).items():
                 if not (math.isfinite(value) and value >= 0):
@@ -250,5 +273,11 @@ def load_policy(path: str | Path, domains: list[str] | None = None, sizes: dict[
 
 def load_cycle_policy(path: str | Path, config: "UpdateConfig") -> ReleasePolicy:
     """The policy of a cycle on `config`: thresholds for every watched domain, every NFR limit
-    provable at the config's question counts (what `atlas update` and `atlas gate check` load)."""
-    return load_policy(path, config.domain_names, answered_sizes(config))
+    provable at the config's question counts, every candidate method a run config in the config's
+    train.configs_dir (what `atlas update` and `atlas gate check` load)."""
+    policy = load_policy(path, config.domain_names, answered_sizes(config))
+    try:
+        policy.candidates.require_run_configs(config.train.configs_dir)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e
+    return policy

@@ -19,9 +19,9 @@ from typing import Optional
 
 from atlas_core.errors import InputError
 
-from .config import SkillData, TargetSpec, UpdateConfig, resolve
+from .config import SKILL_SOURCES, SkillData, TargetSpec, UpdateConfig, resolve
 
-BUILTIN_SOURCES = ("mbpp", "gsm8k")
+BUILTIN_SOURCES = SKILL_SOURCES
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class SkillSpec:
     def from_dict(cls, d: dict) -> "SkillSpec":
         """A stored spec, its data fields completed with today's defaults (a spec stored before a
         field existed compares equal to the same spec written now)."""
-        return cls(d["name"], asdict(SkillData(**d["data"])), dict(d["target"]))
+        return cls(d["name"], asdict(SkillData()) | dict(d["data"]), dict(d["target"]))  # a record: not re-validated
 
     def to_dict(self) -> dict:
         return {"name": self.name, "data": self.data, "target": self.target}
@@ -164,8 +164,11 @@ def require_evaluable(spec: SkillSpec, role: str) -> None:
     """Refuse, before anything trains, a skill whose data a cycle could not use: the skill taught
     now (`role` 'target') and every released skill ('released': its held-out pairs are retained
     KL contexts, its training pairs calibrate the atlas) need both sides, and their files readable."""
-    s = skill_set(SkillSpec(spec.name, spec.data | {"train_limit": None, "val_limit": None}, spec.target))
     what = "the skill taught now" if role == "target" else "a released skill of the line"
+    try:
+        s = skill_set(SkillSpec(spec.name, spec.data | {"train_limit": None, "val_limit": None}, spec.target))
+    except (InputError, OSError) as e:  # e.g. a released skill's snapshot file removed since
+        raise InputError(f"skill {spec.name!r} ({what}): {e}") from e
     if not s.train:
         raise InputError(f"skill {spec.name!r} ({what}): no training pairs in {spec.data['source']}")
     if not s.val:

@@ -223,13 +223,23 @@ def update(config: str = DEFAULT_CONFIG, policy: str = DEFAULT_POLICY, backbone:
 
     cfg = load_update_config(config, backbone=backbone, skill=skill, line=line)
     if snapshot is not None:
-        cfg = replace(cfg, data=replace(cfg.data, source=snapshot))
+        cfg = with_snapshot(cfg, snapshot)
     with session():
         clock = _Clock()
         take_steps()  # the step table starts with this cycle
         ctx = resolve_lineage(cfg, load_cycle_policy(policy, cfg), flow_run.id)
         clock.lap("lineage (backbone, ledger, champion chain)")
         return run_cycle(ctx, clock)
+
+
+def with_snapshot(cfg: UpdateConfig, snapshot: str) -> UpdateConfig:
+    """The config with `--snapshot` as its data source (validated as data.source is)."""
+    from atlas_core.typed_config import ConfigError
+
+    try:
+        return replace(cfg, data=replace(cfg.data, source=snapshot))
+    except ConfigError as e:
+        raise ConfigError(f"--snapshot: {str(e).removeprefix('source: ')}") from None
 
 
 def phase_key(name: str) -> str:

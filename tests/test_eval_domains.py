@@ -103,7 +103,7 @@ def test_jsonl_domain_gates_on_its_first_rows_and_calibrates_on_the_rest(tok, tm
 ])
 def test_jsonl_domain_needs_rows_left_for_calibration(tok, tmp_path, rows, gate_rows, message) -> None:
     spec = {"name": "small", "file": _domain_file(tmp_path / "d.jsonl", rows), "gate_rows": gate_rows}
-    with pytest.raises(ConfigError, match=r"retained.domains\[1\]: .*d.jsonl: " + message):
+    with pytest.raises(ConfigError, match=r"retained.domains\[1\]\.gate_rows: .*d.jsonl has " + message):
         validate_domain(spec, 1)
     with pytest.raises(ValueError, match=message):
         domain_contexts(tok, spec, "calibration")
@@ -130,20 +130,21 @@ BAD_ROWS = {
 @pytest.mark.parametrize("spec, message", [
     ("gsm8", r"retained.domains\[0\]: unknown built-in domain 'gsm8'"),
     (7, r"retained.domains\[0\]: expected a built-in name or a mapping"),
-    ({"name": "mine"}, r"retained.domains\[0\].file: domain 'mine' is not a built-in"),
-    ({"name": "gsm8k", "file": "{good}"}, r"retained.domains\[0\].name: 'gsm8k' is a built-in domain"),
+    ({"name": "mine"}, r"retained.domains\[0\].name: 'mine' is not a built-in domain .* needs a JSONL file"),
+    ({"name": "mine", "file": " "}, r"retained.domains\[0\].file: expected the path of a JSONL file"),
+    ({"name": "gsm8k", "file": "{good}"}, r"retained.domains\[0\].file: 'gsm8k' is a built-in domain and reads no file"),
     ({"name": "my domain", "file": "{good}"}, r"retained.domains\[0\].name: expected a name of letters"),
     ({"name": "mine", "file": "{good}", "gate_rows": 0}, r"retained.domains\[0\].gate_rows: expected a positive integer"),
     ({"name": "mine", "file": "{good}", "gate_rows": "4"}, r"retained.domains\[0\].gate_rows: expected an integer"),
     ({"name": "mine", "file": "{good}", "gate_row": 4}, r"retained.domains\[0\].gate_row: unknown field"),
     ({"name": "mine", "file": "{good}", "checker": "fuzzy"}, r"retained.domains\[0\].checker: expected one of"),
     ({"name": "csqa", "gate_rows": 4}, r"retained.domains\[0\].gate_rows: only for a JSONL domain"),
-    ({"name": "mine", "file": "no/such.jsonl"}, r"retained.domains\[0\]: .*no/such.jsonl: file not found"),
-    ({"name": "mine", "file": "{missing}"}, r"retained.domains\[0\]: .*missing.jsonl: line 1: field 'reference' is missing"),
-    ({"name": "mine", "file": "{typo}"}, r"retained.domains\[0\]: .*typo.jsonl: line 1: field 'anwser' is not part"),
-    ({"name": "mine", "file": "{empty}"}, r"retained.domains\[0\]: .*empty.jsonl: line 2: field 'reference' is empty"),
-    ({"name": "mine", "file": "{json}"}, r"retained.domains\[0\]: .*json.jsonl: line 2: not valid JSON"),
-    ({"name": "mine", "file": "{type}"}, r"retained.domains\[0\]: .*type.jsonl: line 1: field 'answer' must be a string"),
+    ({"name": "mine", "file": "no/such.jsonl"}, r"retained.domains\[0\]\.file: .*no/such.jsonl: file not found"),
+    ({"name": "mine", "file": "{missing}"}, r"retained.domains\[0\]\.file: .*missing.jsonl: line 1: field 'reference' is missing"),
+    ({"name": "mine", "file": "{typo}"}, r"retained.domains\[0\]\.file: .*typo.jsonl: line 1: field 'anwser' is not part"),
+    ({"name": "mine", "file": "{empty}"}, r"retained.domains\[0\]\.file: .*empty.jsonl: line 2: field 'reference' is empty"),
+    ({"name": "mine", "file": "{json}"}, r"retained.domains\[0\]\.file: .*json.jsonl: line 2: not valid JSON"),
+    ({"name": "mine", "file": "{type}"}, r"retained.domains\[0\]\.file: .*type.jsonl: line 1: field 'answer' must be a string"),
 ])
 def test_domain_errors_name_the_entry(spec, message, tmp_path) -> None:
     files = {"{good}": _domain_file(tmp_path / "good.jsonl", 4)}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -59,6 +60,40 @@ def test_shipped_policies_and_configs_validate():
 def test_policy_errors_name_the_field(tmp_path, changes, message):
     path = write_yaml(tmp_path / "p.yaml", PASSING_POLICY | changes)
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_policy(path, DOMAINS)
+
+
+@pytest.mark.parametrize("candidates, message", [
+    ({"methods": ["atlas", "atlas"]}, r"candidates.methods\[1\]: 'atlas' is listed twice \(also at index 0\)"),
+    ({"methods": ["atlas", ""]}, r"candidates.methods\[1\]: expected the name of a run config"),
+    ({"methods": ["../atlas"]}, r"candidates.methods\[0\]: expected the name of a run config"),
+    ({"seeds": [0, 1, 1]}, r"candidates.seeds\[2\]: 1 is listed twice \(also at index 1\)"),
+    ({"seeds": [-1]}, r"candidates.seeds\[0\]: expected an integer in \[0, 2\*\*31\)"),
+    ({"seeds": [2**31]}, r"candidates.seeds\[0\]: expected an integer in \[0, 2\*\*31\)"),
+])
+def test_candidates_are_named_by_element(tmp_path, candidates, message):
+    path = write_yaml(tmp_path / "p.yaml", PASSING_POLICY | {"candidates": PASSING_POLICY["candidates"] | candidates})
+    with pytest.raises(ConfigError, match=message):
+        load_policy(path, DOMAINS)
+
+
+def test_a_cycle_policy_needs_a_run_config_for_every_method(tmp_path):
+    from flows.policy import load_cycle_policy
+    from tests.flows_fixtures import TINY_CONFIG
+
+    config = load_update_config(write_yaml(tmp_path / "u.yaml", TINY_CONFIG))
+    path = write_yaml(tmp_path / "p.yaml", PASSING_POLICY | {"candidates": {"methods": ["atlas", "atlsa"]}})
+    with pytest.raises(ConfigError, match=r"p.yaml: candidates.methods\[1\]: no run config atlsa.yaml in configs/train "
+                                          r"\(train.configs_dir of the update config\); expected one of \[.*'atlas'"):
+        load_cycle_policy(path, config)
+    assert load_policy(path, DOMAINS).candidates.methods == ["atlas", "atlsa"]  # without a config: not known yet
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "nan", "'inf'"])
+def test_policy_numbers_must_be_finite(tmp_path, value):
+    path = tmp_path / "p.yaml"
+    path.write_text(Path(write_yaml(path, PASSING_POLICY)).read_text().replace("min_target_gain: 0", f"min_target_gain: {value}"))
+    with pytest.raises(ConfigError, match="min_target_gain: expected a finite number"):
         load_policy(path, DOMAINS)
 
 

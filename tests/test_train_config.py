@@ -38,6 +38,25 @@ def test_yaml_round_trip_and_float_strings(tmp_path):
     ("adapter: plain\nresidual:\n  scale: big\n", r"residual\.scale: "),
     ("train:\n  grad_clip: 0\n", r"train\.grad_clip: expected a positive number or null"),
     ("train: [1, 2]\n", r"train: expected a mapping"),
+    # not a finite number, however YAML spells it
+    ("train:\n  lr: .nan\n", r"train\.lr: expected a finite number, got nan"),
+    ("train:\n  lr: .inf\n", r"train\.lr: expected a finite number, got inf"),
+    ("train:\n  lr: -.inf\n", r"train\.lr: expected a finite number, got -inf"),
+    ("train:\n  lr: nan\n", r"train\.lr: expected a finite number, got 'nan'"),
+    ("train:\n  lr: 'inf'\n", r"train\.lr: expected a finite number, got 'inf'"),
+    ("train:\n  lr: 1e999\n", r"train\.lr: expected a finite number, got '1e999'"),
+    ("train:\n  objective:\n    beta: .nan\n", r"train\.objective\.beta: expected a finite number"),
+    ("train:\n  betas: [0.9, .nan]\n", r"train\.betas\[1\]: expected a finite number"),
+    ("train:\n  betas: [0.9, 1.0]\n", r"train\.betas\[1\]: expected a number in \[0, 1\)"),
+    ("train:\n  seed: -1\n", r"train\.seed: expected an integer >= 0"),
+    ("train:\n  epochs: 100000000000000000000\n", r"train\.epochs: expected an integer of at most 64 bits"),
+    # options are checked whatever the adapter (residual options of a weight adapter too)
+    ("adapter: weight-lora\nresidual:\n  alpha: .nan\n", r"residual\.alpha: expected a finite number"),
+    ("adapter: weight-lora\nresidual:\n  alpha: 2\n", r"residual\.alpha: expected a value in \[0, 1\]"),
+    ("adapter: weight-lora\nresidual:\n  scale: '-1'\n", r"residual\.scale: expected a positive number or 'calibrated'"),
+    ("adapter: weight-lora\nlora:\n  alpha: 0\n", r"lora\.alpha: expected a positive number"),
+    ("adapter: weight-lora\nlora:\n  clora:\n    k: 0\n", r"lora\.clora\.k: expected a positive integer or null"),
+    ("adapter: weight-lora\nlora:\n  target: ''\n", r"lora\.target: expected a non-empty string"),
 ])
 def test_errors_name_the_field(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):

@@ -105,13 +105,18 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "grad_accum", "max_length", "bucket_batches", "cache_batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
-        for name in ("warmup_steps", "checkpoint_every_steps"):
+        for name in ("warmup_steps", "checkpoint_every_steps", "seed"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: expected an integer >= 0, got {getattr(self, name)!r}")
-        if self.weight_decay < 0 or self.eps <= 0:
-            raise ConfigError(f"weight_decay: expected >= 0 (and eps > 0), got {self.weight_decay!r} (eps {self.eps!r})")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight_decay: expected a number >= 0, got {self.weight_decay!r}")
+        if not self.eps > 0:
+            raise ConfigError(f"eps: expected a positive number, got {self.eps!r}")
+        if len(self.betas) != 2:
             raise ConfigError(f"betas: expected two numbers in [0, 1), got {self.betas!r}")
+        for i, beta in enumerate(self.betas):
+            if not 0 <= beta < 1:
+                raise ConfigError(f"betas[{i}]: expected a number in [0, 1), got {beta!r}")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ConfigError(f"grad_clip: expected a positive number or null, got {self.grad_clip!r}")
         _choice("schedule", self.schedule, SCHEDULES)
@@ -133,6 +138,14 @@ class ResidualOptions:
     scale: float | str = _help("s in rho = ||z|| / (||z|| + s): a number or 'calibrated'.", 64.0)
     alpha: float = _help("Filter strength in [0, 1].", 1.0)
     top_n: int = _help("Charts each token is routed to.", 4)
+
+    def __post_init__(self) -> None:  # the same rules as ResidualConfig, checked whatever the adapter
+        if self.scale != "calibrated" if isinstance(self.scale, str) else not self.scale > 0:
+            raise ConfigError(f"scale: expected a positive number or 'calibrated', got {self.scale!r}")
+        if not 0 <= self.alpha <= 1:
+            raise ConfigError(f"alpha: expected a value in [0, 1], got {self.alpha!r}")
+        if self.top_n < 1:
+            raise ConfigError(f"top_n: expected a positive integer, got {self.top_n!r}")
 
 
 @dataclass
@@ -166,6 +179,9 @@ class OLoRAOptions:
             raise ConfigError(f"lambda1: expected >= 0, got {self.lambda1!r}")
         if self.past == "files" and not self.past_files:
             raise ConfigError("past_files: past 'files' needs at least one adapter file")
+        for i, path in enumerate(self.past_files):
+            if not path.strip():
+                raise ConfigError(f"past_files[{i}]: expected the path of a weight-adapter file, got {path!r}")
 
 
 @dataclass
@@ -175,8 +191,10 @@ class CLoRAOptions:
                           None)
 
     def __post_init__(self) -> None:
-        if self.lam < 0 or (self.k is not None and self.k < 1):
-            raise ConfigError(f"lam: expected >= 0 and k null or >= 1, got lam {self.lam!r}, k {self.k!r}")
+        if self.lam < 0:
+            raise ConfigError(f"lam: expected a number >= 0, got {self.lam!r}")
+        if self.k is not None and self.k < 1:
+            raise ConfigError(f"k: expected a positive integer or null, got {self.k!r}")
 
 
 @dataclass
@@ -196,6 +214,9 @@ class LoRAOptions:
 
     def __post_init__(self) -> None:
         _choice("method", self.method, WEIGHT_METHODS)
+        if not self.alpha > 0:
+            raise ConfigError(f"alpha: expected a positive number, got {self.alpha!r}")
+        _nonempty(self, "target", "stats")
 
     @property
     def needs_stats(self) -> bool:
@@ -225,6 +246,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _choice("adapter", self.adapter, ADAPTERS)
+        _nonempty(self, "backbone", "atlas")
         if self.rank < 1:
             raise ConfigError(f"rank: expected a positive integer, got {self.rank!r}")
         if self.layer < -1:
@@ -253,6 +275,14 @@ class RunConfig:
 def _choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{name}: expected one of {tuple(allowed)}, got {value!r}")
+
+
+def _nonempty(obj, *names: str) -> None:
+    """Each named string field (a name or a path) is not empty, where it is set."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and not value.strip():
+            raise ConfigError(f"{name}: expected a non-empty string, got {value!r}")
 
 
 def load_run_config(path: str | Path) -> RunConfig:
