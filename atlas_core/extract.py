@@ -8,6 +8,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .backbone import hidden_at_layer
+from .errors import InputError
 
 
 @torch.no_grad()
@@ -32,13 +33,13 @@ def sample_activations(
     """
     needed = math.ceil(num_vectors / per_example)
     if len(texts) < needed:
-        raise ValueError(f"texts: {num_vectors} vectors at {per_example} per example need {needed} retained examples, "
+        raise InputError(f"texts: {num_vectors} vectors at {per_example} per example need {needed} retained examples, "
                          f"got {len(texts)}")
     encoded = tokenizer(list(texts[:needed]), add_special_tokens=False, truncation=True, max_length=max_length)["input_ids"]
     lengths = torch.tensor([len(ids) for ids in encoded])
     if (lengths < per_example).any():
         short = int((lengths < per_example).nonzero()[0])
-        raise ValueError(f"texts: example {short} has {int(lengths[short])} tokens, fewer than per_example={per_example}")
+        raise InputError(f"texts: example {short} has {int(lengths[short])} tokens, fewer than per_example={per_example}")
     # Random scores on real tokens, -inf beyond each text: the top `per_example` are a uniform sample.
     generator = torch.Generator().manual_seed(seed)
     scores = torch.rand(needed, int(lengths.max()), generator=generator)

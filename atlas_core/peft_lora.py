@@ -32,6 +32,7 @@ from torch import nn
 
 from .backbone import decoder_layers, decoder_layers_name
 from .chain import FrozenLoRA, hooked_linear
+from .errors import InputError
 from .io import IntegrityError, load_verified, save_verified, sha256_file
 
 KIND = "peft-lora"
@@ -74,7 +75,7 @@ def _module_of(key: str) -> tuple[str, str]:
     """'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' -> ('model.layers.0.self_attn.q_proj', 'A')."""
     match = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
     if match is None:
-        raise ValueError(f"tensor {key!r} is no LoRA factor (lora_A / lora_B of a Linear); "
+        raise InputError(f"tensor {key!r} is no LoRA factor (lora_A / lora_B of a Linear); "
                          "the chain cannot apply it exactly")
     return match.group(1), match.group(2)
 
@@ -138,14 +139,14 @@ class LoraSet:
 def read_peft_config(folder: Path) -> dict:
     path = folder / CONFIG_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing; a PEFT adapter folder holds {CONFIG_FILE} and "
-                                f"{WEIGHTS_FILES[0]} (model.save_pretrained(DIR))")
+        raise InputError(f"{path}: missing; a PEFT adapter folder holds {CONFIG_FILE} and "
+                         f"{WEIGHTS_FILES[0]} (model.save_pretrained(DIR))")
     try:
         config = json.loads(path.read_text())
     except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+        raise InputError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object")
+        raise InputError(f"{path}: expected a JSON object")
     return config
 
 
@@ -156,13 +157,13 @@ def _weights(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     path = folder / WEIGHTS_FILES[0]
     if not path.is_file():
         if (folder / WEIGHTS_FILES[1]).is_file():
-            raise ValueError(f"{folder / WEIGHTS_FILES[1]}: pickled weights are not loaded (they can run code); "
+            raise InputError(f"{folder / WEIGHTS_FILES[1]}: pickled weights are not loaded (they can run code); "
                              "save with safe_serialization=True")
-        raise FileNotFoundError(f"{path}: missing; the adapter's weights are expected there")
+        raise InputError(f"{path}: missing; the adapter's weights are expected there")
     try:
         return path, load_file(str(path))
     except SafetensorError as e:
-        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+        raise InputError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 def from_peft_folder(folder: str | Path, model: nn.Module) -> LoraSet:
@@ -174,29 +175,29 @@ def from_peft_folder(folder: str | Path, model: nn.Module) -> LoraSet:
     config = read_peft_config(folder)
     refused = refused_option(config)
     if refused is not None:
-        raise ValueError(f"{folder / CONFIG_FILE}: {refused}")
+        raise InputError(f"{folder / CONFIG_FILE}: {refused}")
     path, tensors = _weights(folder)
     factors: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         module, which = _module_of(key)
         factors.setdefault(module, {})[which] = tensor
     if not factors:
-        raise ValueError(f"{path}: no LoRA factors found")
+        raise InputError(f"{path}: no LoRA factors found")
     rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     loras = []
     for module, ab in sorted(factors.items()):
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"{path}: {module}: lora_A and lora_B expected, found only lora_{''.join(ab)}")
+            raise InputError(f"{path}: {module}: lora_A and lora_B expected, found only lora_{''.join(ab)}")
         a, b = ab["A"].float(), ab["B"].float()  # (r, d_in), (d_out, r)
         r = rank_pattern.get(get_pattern_key(rank_pattern.keys(), module), config.get("r"))
         alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module), config.get("lora_alpha"))
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != r or b.shape[1] != r:
-            raise ValueError(f"{path}: {module}: factors {tuple(a.shape)} and {tuple(b.shape)} do not have "
+            raise InputError(f"{path}: {module}: factors {tuple(a.shape)} and {tuple(b.shape)} do not have "
                              f"the rank {r} that adapter_config.json gives it")
         try:
             hooked_linear(model, module, (b.shape[0], a.shape[1]), "adapter")
         except ValueError as e:
-            raise ValueError(f"{path}: {e} (the line's backbone)") from None
+            raise InputError(f"{path}: {e} (the line's backbone)") from None
         scaling = alpha / (r ** 0.5 if config.get("use_rslora") else r)
         loras.append(FrozenLoRA(module, a, b, scaling, module_layer(model, module)))
     source = {"format": "peft", "weights_sha256": sha256_file(path), "config_sha256": sha256_file(folder / CONFIG_FILE),

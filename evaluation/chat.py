@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from atlas_core.errors import InputError
 from evaluation.generate import _eos_ids
 from evaluation.prompts import add_special_tokens_for, has_chat_template
 
@@ -30,13 +31,13 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
-            raise ValueError(f"max_new_tokens: expected an integer >= 1, got {self.max_new_tokens!r}")
+            raise InputError(f"max_new_tokens: expected an integer >= 1, got {self.max_new_tokens!r}")
         if not self.temperature >= 0:
-            raise ValueError(f"temperature: expected a number >= 0 (0 = greedy), got {self.temperature!r}")
+            raise InputError(f"temperature: expected a number >= 0 (0 = greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
+            raise InputError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"top_k: expected an integer >= 0 (0 = off), got {self.top_k!r}")
+            raise InputError(f"top_k: expected an integer >= 0 (0 = off), got {self.top_k!r}")
 
     def config(self, eos: list[int], pad_id: int) -> GenerationConfig:
         sampled = self.temperature > 0

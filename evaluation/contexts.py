@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from atlas_core.errors import InputError
 from atlas_core.train import render_chat
 
 from .data import load_csqa, load_gsm8k, mbpp_pairs
@@ -44,5 +45,5 @@ def retained_contexts(tokenizer: Any, domain: str, split: str | None = None, lim
         pairs = pairs[:limit] if limit else pairs
         return [p["id"] for p in pairs], [pair_context(tokenizer, p["prompt"], p["response"]) for p in pairs]
     else:
-        raise ValueError(f"domain: expected one of {RETAINED_DOMAINS + ('mbpp',)}, got {domain!r}")
+        raise InputError(f"domain: expected one of {RETAINED_DOMAINS + ('mbpp',)}, got {domain!r}")
     return list(ds["id"]), texts

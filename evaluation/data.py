@@ -26,14 +26,13 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 # No hub traffic ever: every file is local. Set before `datasets` reads its config.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import datasets  # noqa: E402
-from datasets import Dataset  # noqa: E402
-
+from atlas_core.errors import InputError  # noqa: E402
 from atlas_core.paths import data_dir, state_dir  # noqa: E402
 from evaluation.datafiles import DataIntegrityError, download, verified_path, verify_all  # noqa: E402
 from evaluation.prompts import code_pair, math_pair  # noqa: E402
@@ -43,8 +42,13 @@ CSQA_FILES = {"validation": "csqa/dev_rand_split.jsonl", "train": "csqa/train_ra
 MBPP_SPLITS = ("train", "validation", "test", "prompt")
 CSQA_LABELS = ("A", "B", "C", "D", "E")
 
+if TYPE_CHECKING:
+    from datasets import Dataset  # imported where a set is loaded: `datasets` costs ~1 s (pandas, pyarrow)
+
 
 def _json_dataset(path: Path) -> Dataset:
+    import datasets
+
     datasets.disable_progress_bars()  # a bar per tiny local file is noise
     return datasets.load_dataset(
         "json", data_files=str(path), split="train", cache_dir=str(state_dir() / "hf_datasets")
@@ -53,7 +57,7 @@ def _json_dataset(path: Path) -> Dataset:
 
 def _check_split(split: str, allowed: tuple[str, ...] | list[str]) -> None:
     if split not in allowed:
-        raise ValueError(f"unknown split {split!r}; choose one of {list(allowed)}")
+        raise InputError(f"unknown split {split!r}; choose one of {list(allowed)}")
 
 
 # ---------------------------------------------------------------- GSM8K
@@ -179,6 +183,8 @@ def load_mbpp_plus(split: str = "test", root: str | Path | None = None) -> Datas
             "entry_point": row["entry_point"],
             "canonical_solution": row["canonical_solution"],
         })
+    from datasets import Dataset
+
     return Dataset.from_list(rows)
 
 

@@ -21,14 +21,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from atlas_core.errors import InputError
 from atlas_core.io import atomic_write_bytes, sha256_bytes, sha256_file
 from atlas_core.paths import data_dir
 
 DOWNLOAD_HINT = "python -m evaluation.data download --dest {dest}"
 
 
-class DataIntegrityError(ValueError):
-    """A data file is missing, or its bytes are not the published ones."""
+class DataIntegrityError(InputError):
+    """A data file is missing, or its bytes are not the published ones: the user's data folder to fix
+    (the message names the file and the download command), so one line from the CLI."""
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from atlas_core.backbone import contiguous_head_input
+from atlas_core.errors import InputError
 from evaluation.prompts import add_special_tokens_for
 
 
@@ -192,7 +193,7 @@ def generate(
     `add_special_tokens` defaults to False for tokenizers with a chat template (the
     template writes BOS itself) and True otherwise."""
     if max_new_tokens < 1 or batch_size < 1:
-        raise ValueError(f"max_new_tokens ({max_new_tokens}) and batch_size ({batch_size}) must be >= 1")
+        raise InputError(f"max_new_tokens ({max_new_tokens}) and batch_size ({batch_size}) must be >= 1")
     if add_special_tokens is None:
         add_special_tokens = add_special_tokens_for(tokenizer)
     stops = _Stops(tokenizer, _eos_ids(model, tokenizer), stop, stop_after)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from atlas_core.errors import InputError
 from atlas_core.paths import PROJECT_ROOT
 
 
@@ -46,7 +47,7 @@ def resolve_path(path: str | Path) -> Path:
     return path if path.is_absolute() or path.exists() else PROJECT_ROOT / path
 
 
-class SchemaError(ValueError):
+class SchemaError(InputError):
     """A row of a user data file does not follow the documented schema."""
 
 

@@ -1,13 +1,21 @@
 """`atlas`: the platform's command line.
 
 Method commands (flows/cli_method.py): backbone, fit-atlas, demo, eval-base.
-Release commands (flows/cli_release.py): update, serve, status, compare, history, rollback, gate.
+Cycle commands (flows/cli_release.py): update, serve, submit, gate check.
+Operational commands (flows/cli_ops.py): status, compare, history, gate --explain, rollback, renominate.
 Each command imports what it needs when it runs, so `atlas --help` stays instant.
+
+Errors: bad input (`atlas_core.errors.InputError`, a stored file failing its check, the registry's
+refusals, a path that is missing or unreadable) is one line `atlas CMD: error: ...` on stderr and
+exit status 2; any other exception is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from contextlib import contextmanager
+from typing import Iterator
 
 from .platform import configure_environment
 
@@ -66,25 +74,85 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _expected_errors() -> tuple[type[BaseException], ...]:
-    """Errors that mean bad input or state, shown as one line instead of a traceback."""
-    errors: list[type[BaseException]] = [ValueError, FileNotFoundError, ModuleNotFoundError]
-    if "registry" in sys.modules:
-        import registry
+# A file-system error on a path is the user's to fix (a path given that is missing, unreadable, a
+# folder, ...); other OSErrors (a lost connection, a broken pipe) are not input and keep their traceback.
+_FILE_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
 
-        errors += [registry.LedgerError, registry.PromotionError, registry.ArtifactError]
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    """The error classes that mean bad input or state, shown as one line instead of a traceback:
+    InputError (a config, policy, data file, option or flag; SchemaError and ConfigError are ones),
+    a stored file that fails its check (atlas_core.io.IntegrityError), the registry's refusals (an
+    unknown line or version, a promotion or rollback that is not allowed, a missing artifact).
+    A module not imported yet cannot have raised its class; importing it here would cost seconds."""
+    from atlas_core.errors import InputError
+
+    errors: list[type[BaseException]] = [InputError, *_FILE_ERRORS]
+    if "atlas_core.io" in sys.modules:
+        errors.append(sys.modules["atlas_core.io"].IntegrityError)
+    registry = sys.modules.get("registry")
+    for name in ("LedgerError", "PromotionError", "ArtifactError"):
+        if hasattr(registry, name):
+            errors.append(getattr(registry, name))
     return tuple(errors)
+
+
+def is_expected(error: BaseException) -> bool:
+    """Whether `error` is bad input (one line, exit 2) rather than a bug (a traceback)."""
+    return isinstance(error, _expected_errors()) or (isinstance(error, OSError) and error.filename is not None)
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line; an OSError names its path and the OS's reason."""
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        paths = f"{error.filename} -> {error.filename2}" if error.filename2 is not None else str(error.filename)
+        text = f"{paths}: {error.strerror}"
+    else:
+        text = str(error) or type(error).__name__
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+class _NoTracebackForExpected(logging.Filter):
+    """Prefect logs a failed flow or task run with its traceback ("Encountered exception during
+    execution", "Task run failed with exception"); for bad input the CLI prints one line instead,
+    so such a record keeps its message and loses the traceback. Other errors keep theirs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if isinstance(record.exc_info, tuple) else None
+        if error is not None and is_expected(error):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+# Where Prefect's engines log flow and task run failures (prefect.logging.loggers: flow_run_logger,
+# task_run_logger); a filter on a logger runs before any of its handlers (console and API alike).
+PREFECT_RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+
+
+@contextmanager
+def _quiet_prefect_tracebacks() -> Iterator[None]:
+    """While one command runs: no Prefect traceback for an expected error raised inside a flow."""
+    quiet = _NoTracebackForExpected()
+    loggers = [logging.getLogger(name) for name in PREFECT_RUN_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
 
 
 def main(argv: list[str] | None = None) -> int:
     configure_environment()
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with _quiet_prefect_tracebacks():
+            return args.func(args)
     except Exception as e:
-        if not isinstance(e, _expected_errors()):
+        if not is_expected(e):
             raise
-        print(f"atlas {args.command}: error: {e}", file=sys.stderr)
+        print(f"atlas {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
 
 

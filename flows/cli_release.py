@@ -1,25 +1,12 @@
-"""The release-level commands of `atlas`: update, serve, status, compare, history, rollback, renominate, gate,
-submit (and, from flows/cli_use.py, generate and export)."""
+"""The cycle commands of `atlas`: update, serve, submit, gate check (and, from flows/cli_ops.py, the
+operational commands status, compare, history, gate --explain, rollback, renominate; from
+flows/cli_use.py, generate and export)."""
 from __future__ import annotations
 
 import argparse
 import json
 
-
-def _model(platform, args: argparse.Namespace):
-    from registry import LedgerError, get_model, model_name_for
-
-    name = args.model or model_name_for(args.backbone, args.line)
-    try:
-        return get_model(platform.ledger, name)
-    except LedgerError as e:
-        raise LedgerError(f"{e} (run `atlas update` first, or pass --model / --backbone / --line)") from None
-
-
-def _platform():
-    from .platform import open_platform
-
-    return open_platform()
+from .cli_ops import print_checks
 
 
 def _check_cycle_files(config: str, policy: str, backbone: str | None = None, skill: str | None = None,
@@ -69,107 +56,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from registry import alias_holder, base_version, latest_evaluation, recent_decisions, recent_training_runs
-
-    from .report import latest_report
-
-    p = _platform()
-    try:
-        for key, value in p.describe().items():
-            print(f"{key:10s} {value}")
-        model = _model(p, args)
-        champion = alias_holder(p.ledger, model.id) or base_version(p.ledger, model.id)
-        ev = latest_evaluation(p.ledger, champion.id)
-        target = f", target {ev.target_solved}/{ev.target_total}" if ev else ""
-        print(f"\nmodel      {model.name}\nchampion   {champion.name} (#{champion.id}, MLflow version "
-              f"{champion.mlflow_version or '-'}{target})")
-        print(f"report     {latest_report(p.state, model.name) or '-'}")
-        print("\nlast gate decisions:")
-        for did, name, passed, policy, when in recent_decisions(p.ledger, model.id, args.limit):
-            print(f"  {when}  #{did:<4d} {'PASS  ' if passed else 'REJECT'} {name}  ({policy})")
-        print("last training runs:")
-        for r in recent_training_runs(p.ledger, _backbone_id(p, model), None, args.limit, model_id=model.id):
-            print(f"  {r['started']}  #{r['id']:<4d} {r['skill']} {r['method']} seed {r['seed']}: {r['status']}")
-    finally:
-        p.close()
-    if not args.no_prefect:
-        from .serve import prefect_status
-
-        print("\n" + prefect_status(args.limit))
-    return 0
-
-
-def _backbone_id(p, model) -> int:
-    from registry import ensure_backbone
-
-    return ensure_backbone(p.ledger, model.backbone, model.revision)
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    from registry import compare_versions, resolve_version
-
-    p = _platform()
-    try:
-        model = _model(p, args)
-        a, b = resolve_version(p.ledger, model.id, args.a), resolve_version(p.ledger, model.id, args.b)
-        cmp = compare_versions(p.ledger, a.id, b.id)
-        print({"text": cmp.to_table, "markdown": cmp.to_markdown, "json": cmp.to_json}[args.format]())
-    finally:
-        p.close()
-    return 0
-
-
-def cmd_history(args: argparse.Namespace) -> int:
-    from registry import alias_holder, format_history, release_history
-
-    from .history import line_history
-
-    p = _platform()
-    try:
-        model = _model(p, args)
-        rows = release_history(p.ledger, model.id)
-        print(format_history(rows, markdown=args.markdown) if rows else "no releases yet")
-        champion = alias_holder(p.ledger, model.id)
-        if champion is not None:
-            print(f"\nthe line up to {champion.name}: score matrix R[t][i], OP_t, BWT_t (TRACE, on one 0-1 scale), "
-                  "KL vs base and vs teacher\n")
-            print(line_history(p.ledger, model.id, champion.id).to_markdown())
-    finally:
-        p.close()
-    return 0
-
-
-def cmd_rollback(args: argparse.Namespace) -> int:
-    from .release import rollback
-
-    p = _platform()
-    try:
-        model = _model(p, args)
-    finally:
-        p.close()
-    release = rollback(model.name, args.reason)
-    print(f"{model.name}: champion rolled back (release #{release.id}, version id {release.version_id}, "
-          f"previous {release.previous_version_id}); reason recorded: {args.reason}")
-    return 0
-
-
-def cmd_renominate(args: argparse.Namespace) -> int:
-    """A retired (rolled-back) version may be promoted again by later cycles; the alias does not move."""
-    from registry import renominate, resolve_version
-
-    p = _platform()
-    try:
-        model = _model(p, args)
-        version = resolve_version(p.ledger, model.id, args.version)
-        release = renominate(p.ledger, version.id, args.reason)
-    finally:
-        p.close()
-    print(f"{model.name}: {version.name} re-nominated (release #{release.id}); a later cycle gates it again "
-          f"against the champion; reason recorded: {args.reason}")
-    return 0
-
-
 def cmd_submit(args: argparse.Namespace) -> int:
     from .submit import submit_candidate
 
@@ -190,9 +76,10 @@ def _check_gate_inputs(args: argparse.Namespace) -> None:
     from registry import get_model, model_name_for
 
     from .gate_check import candidate_version
+    from .platform import open_platform
 
     cfg = _check_cycle_files(args.config, args.policy, line=args.line)
-    p = _platform()
+    p = open_platform()
     try:
         model = get_model(p.ledger, model_name_for(cfg.backbone, cfg.line_name))
         candidate_version(p.ledger, model.id, args.version, cfg.skill)
@@ -212,44 +99,9 @@ def cmd_gate_check(args: argparse.Namespace) -> int:
         verdict = "PASS" if r.passed else "REJECT"
         moved = f"; promoted: champion is now {r.champion}" if r.promoted else ""
         print(f"\n{r.model}: {r.version}: {verdict} by policy {r.policy} against {r.against}{moved}")
-        _print_checks(r.checks)
+        print_checks(r.checks)
         print(f"report: {r.report}")
     return 0 if r.passed else 1
-
-
-def _print_checks(checks) -> None:
-    width = max(len(c.name) for c in checks)
-    for c in checks:
-        fmt = lambda v: "missing" if v is None else f"{v:.4g}"  # noqa: E731
-        print(f"  {'ok  ' if c.passed else 'FAIL'} {c.name:{width}s}  measured {fmt(c.measured):>10s}  "
-              f"limit {fmt(c.threshold):>8s}  {c.detail}")
-
-
-def cmd_gate(args: argparse.Namespace) -> int:
-    from registry import get_version, latest_gate_decision, resolve_version
-
-    if getattr(args, "gate_command", None) == "check":
-        return cmd_gate_check(args)
-    if args.explain is None:
-        raise ValueError("give --explain VERSION, or `atlas gate check VERSION --config C --policy P`")
-    p = _platform()
-    try:
-        version = resolve_version(p.ledger, _model(p, args).id, args.explain)
-        decision = latest_gate_decision(p.ledger, version.id)
-        if decision is None:
-            print(f"{version.name}: no gate decision recorded")
-            return 1
-        against = get_version(p.ledger, decision.release_version_id).name if decision.release_version_id else "base"
-        if args.json:
-            print(json.dumps({"version": version.name, "passed": decision.passed, "policy": decision.policy_name,
-                              "against": against, "checks": [c.__dict__ for c in decision.checks]}, indent=2))
-            return 0
-        print(f"{version.name}: {'PASS' if decision.passed else 'REJECT'} by policy {decision.policy_name} "
-              f"(decision #{decision.id}, {decision.created_at:%Y-%m-%d %H:%M:%S}, measured against {against})")
-        _print_checks(decision.checks)
-    finally:
-        p.close()
-    return 0
 
 
 def add_commands(sub, common: argparse.ArgumentParser) -> None:
@@ -277,30 +129,10 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
                    help="a deployment of deploy/prefect.yaml to serve (repeatable; default: every scheduled one)")
     p.add_argument("--cron", default=None, help="cron schedule of the one served deployment (default: its own)")
     p.set_defaults(func=cmd_serve, config=None, policy=None)  # unset: each deployment's own parameters
-    p = sub.add_parser("status", parents=[common, model], help="champion, last gate decisions and runs, next scheduled run")
-    p.add_argument("--limit", type=int, default=5, help="rows per list")
-    p.add_argument("--no-prefect", action="store_true", help="skip the Prefect query (the server's API, or the local database in local mode)")
-    p.set_defaults(func=cmd_status)
-    p = sub.add_parser("compare", parents=[common, model], help="compare version B against version A from stored records")
-    p.add_argument("a", help="reference version: base, champion, candidate, a version name, mlflow:<n> or #<id>")
-    p.add_argument("b", help="compared version (same forms)")
-    p.add_argument("--format", default="text", choices=["text", "markdown", "json"])
-    p.set_defaults(func=cmd_compare)
-    p = sub.add_parser("history", parents=[common, model], help="every release of the model with its key metrics")
-    p.add_argument("--markdown", action="store_true")
-    p.set_defaults(func=cmd_history)
-    p = sub.add_parser("rollback", parents=[common, model], help="move champion back to the previous holder")
-    p.add_argument("--reason", required=True, help="why (recorded in the ledger and shown in history)")
-    p.set_defaults(func=cmd_rollback)
-    p = sub.add_parser("renominate", parents=[common, model], help="make a rolled-back (retired) version a candidate again")
-    p.add_argument("version", help="version: name, mlflow:<n> or #<id>")
-    p.add_argument("--reason", required=True, help="why (recorded in the ledger)")
-    p.set_defaults(func=cmd_renominate)
-    p = sub.add_parser("gate", parents=[common, model], help="explain a version's gate decision check by check "
-                       "(--explain), or gate a candidate now (gate check)")
-    p.add_argument("--explain", default=None, metavar="VERSION", help="version: name, champion, mlflow:<n> or #<id>")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_gate)
+
+    from .cli_ops import add_commands as add_ops_commands
+
+    p = add_ops_commands(sub, common, model)  # status, compare, history, rollback, renominate, gate
     gate_sub = p.add_subparsers(dest="gate_command", metavar="check")
     check = gate_sub.add_parser("check", help="evaluate a candidate (e.g. a submitted one) against the champion with "
                                 "a policy and record the decision; exit 0 pass, 1 reject, 2 bad input")

@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from atlas_core.errors import InputError
+
 
 def _load(args: argparse.Namespace):
     from .serving import load_release
@@ -32,26 +34,55 @@ def _target(args: argparse.Namespace) -> tuple[str, str]:
     return args.model or model_name_for(args.backbone, args.line), version
 
 
+def check_device(name: str | None) -> str | None:
+    """--device, checked before anything loads: a device torch can name whose hardware this machine
+    has (cpu, cuda, cuda:N, mps, xpu:N...). A typo or a missing GPU is one line, not a traceback
+    seconds later from inside the model's `.to()`. None (the default) is the CPU."""
+    if name is None:
+        return None
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise InputError(f"--device {name!r}: not a torch device; expected cpu, cuda, cuda:N, mps, ...") from None
+    if device.type == "cpu":
+        return name
+    if device.type == "mps":
+        count = int(torch.backends.mps.is_available())
+    else:
+        backend = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, ...
+        available = backend is not None and hasattr(backend, "is_available") and backend.is_available()
+        count = backend.device_count() if available and hasattr(backend, "device_count") else int(available)
+    if count == 0:
+        raise InputError(f"--device {name}: this machine has no {device.type} device that torch "
+                         f"{torch.__version__} can use")
+    if device.index is not None and device.index >= count:
+        raise InputError(f"--device {name}: this machine has {count} {device.type} device(s), "
+                         f"{device.type}:0 to {device.type}:{count - 1}")
+    return name
+
+
 def _read_prompts(path: str) -> list[str]:
     """One prompt per line: {"prompt": "..."} or a JSON string."""
     prompts = []
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
-        raise FileNotFoundError(f"--input {path}: cannot be read ({e.strerror})") from None
+        raise InputError(f"--input {path}: cannot be read ({e.strerror})") from None
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except ValueError as e:
-            raise ValueError(f"--input {path}, line {n}: not JSON ({e})") from None
+            raise InputError(f"--input {path}, line {n}: not JSON ({e})") from None
         prompt = row.get("prompt") if isinstance(row, dict) else row
         if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"--input {path}, line {n}: expected {{\"prompt\": \"...\"}} or a JSON string, got {line[:80]!r}")
+            raise InputError(f"--input {path}, line {n}: expected {{\"prompt\": \"...\"}} or a JSON string, got {line[:80]!r}")
         prompts.append(prompt)
     if not prompts:
-        raise ValueError(f"--input {path}: no prompts")
+        raise InputError(f"--input {path}: no prompts")
     return prompts
 
 
@@ -59,7 +90,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from evaluation.chat import Sampling, chat
 
     if (args.prompt is None) == (args.input is None):
-        raise ValueError("give one prompt or --input FILE (not both)")
+        raise InputError("give one prompt or --input FILE (not both)")
+    check_device(args.device)
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.input)
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
     release = _load(args)
@@ -90,7 +122,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .serving import release_folder
 
     if args.since is not None and args.format != "peft":
-        raise ValueError(f"--since: only --format peft exports part of a chain, not --format {args.format}")
+        raise InputError(f"--since: only --format peft exports part of a chain, not --format {args.format}")
+    check_device(args.device)
     target, version = _target(args)
     with release_folder(target, version, args.backbone) as folder:
         release = load_folder(folder, dtype=args.dtype, device=args.device, backbone_loader=load_model)
@@ -104,11 +137,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(sub, common: argparse.ArgumentParser, model: argparse.ArgumentParser) -> None:
-    from atlas_core.export import FORMATS
+EXPORT_FORMATS = ("folder", "peft", "merged")  # atlas_core.export.FORMATS; not imported (torch): --help stays instant
 
+
+def add_commands(sub, common: argparse.ArgumentParser, model: argparse.ArgumentParser) -> None:
     use = argparse.ArgumentParser(add_help=False)
-    use.add_argument("--device", default=None, help="torch device to run on (default: the CPU)")
+    use.add_argument("--device", default=None, help="torch device to run on: cpu, cuda, cuda:N, mps... "
+                     "(default: the CPU); checked before anything loads")
     p = sub.add_parser("generate", parents=[common, model, use], help="generate with a release (chat template, greedy "
                        "by default, streamed)")
     p.add_argument("prompt", nargs="?", default=None, help="one user message (or --input)")
@@ -126,7 +161,7 @@ def add_commands(sub, common: argparse.ArgumentParser, model: argparse.ArgumentP
     p = sub.add_parser("export", parents=[common, model, use], help="export a release: a PEFT adapter, merged weights "
                        "or the release folder")
     p.add_argument("version", help="champion, base, a version name, mlflow:<n>, #<id>, an MLflow model URI or a folder")
-    p.add_argument("--format", required=True, choices=(*FORMATS, "mlflow"),
+    p.add_argument("--format", required=True, choices=(*EXPORT_FORMATS, "mlflow"),
                    help="folder | peft | merged | mlflow (a pyfunc model folder for `mlflow models serve -m DIR`)")
     p.add_argument("--out", required=True, help="a new (or empty) folder")
     p.add_argument("--bundle-backbone", action="store_true", help="folder, mlflow: copy the backbone's weights in "

@@ -21,6 +21,7 @@ from prefect.cache_policies import NO_CACHE
 from . import kl_tail
 from .cycle import Applied, CycleContext
 from .gates import CandidateMetrics, Flips, Regression
+from .history import problem_scores, score_of  # stored answers' scores (light: `atlas history` uses them)
 from .policy import ANSWERED
 from .retries import transient_only
 
@@ -102,15 +103,6 @@ def version_answers(ctx: CycleContext, applied: Applied, kind: str, dataset: str
         record_answers(ledger(), applied.version.id, new)
         stored |= {a.question_id: a for a in new}
     return {q: stored[q] for q in ids}
-
-
-def problem_scores(scorer, answers: Answers) -> dict:
-    """Stored answers back as the scorer's ProblemScores (a 'mean' scorer's value is in `answer`)."""
-    return {q: scorer.restore(a.answer, a.correct) for q, a in answers.items()}
-
-
-def score_of(scorer, answers: Answers) -> float:
-    return scorer.summarise(problem_scores(scorer, answers)) if answers else math.nan
 
 
 def regression(scorer, reference: Answers, new: Answers) -> Regression:

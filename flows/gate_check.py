@@ -21,6 +21,8 @@ from typing import Optional
 
 from prefect import flow
 
+from atlas_core.errors import InputError
+
 from .platform import DEFAULT_CONFIG, DEFAULT_POLICY, configure_environment
 
 configure_environment()
@@ -53,12 +55,12 @@ def candidate_version(ledger, model_id: int, ref: str, skill: str):
     v = resolve_version(ledger, model_id, ref)
     holder = alias_holder(ledger, model_id)
     if v.is_base or (holder is not None and v.id == holder.id):
-        raise ValueError(f"version {ref!r}: {v.name} is the {'base' if v.is_base else 'champion'}; "
+        raise InputError(f"version {ref!r}: {v.name} is the {'base' if v.is_base else 'champion'}; "
                          "gate a candidate (`atlas submit` prints its name)")
     if v.status == "retired":
-        raise ValueError(f"version {ref!r}: {v.name} was rolled back (retired); `atlas renominate` it first")
+        raise InputError(f"version {ref!r}: {v.name} was rolled back (retired); `atlas renominate` it first")
     if v.skill != skill:
-        raise ValueError(f"version {ref!r}: {v.name} teaches skill {v.skill!r}, the config's skill is "
+        raise InputError(f"version {ref!r}: {v.name} teaches skill {v.skill!r}, the config's skill is "
                          f"{skill!r} (atlas submit --skill, or the config's `skill`)")
     return v
 

@@ -166,10 +166,27 @@ def _cell(kind: str, raw: Optional[float]) -> str:
     return _num(raw) if kind != LOSS or scaled is None else f"{raw:.4g} ({scaled:.4g})"
 
 
+def problem_scores(scorer, answers: dict) -> dict:
+    """Stored answers back as the scorer's ProblemScores (a 'mean' scorer's value is in `answer`)."""
+    return {q: scorer.restore(a.answer, a.correct) for q, a in answers.items()}
+
+
+def score_of(scorer, answers: dict) -> float:
+    """A scorer's score of stored answers (NaN for none); here, not in flows/evaluate.py, so that
+    `atlas history` imports no Prefect."""
+    return scorer.summarise(problem_scores(scorer, answers)) if answers else math.nan
+
+
+def _scorer(skill: dict):
+    """A released skill's target scorer, from the spec its training run stored (flows.components.make_scorer
+    without building the whole SkillSpec: only `target` matters, and flows/skills.py imports the data loaders)."""
+    from evaluation.scorers import build_scorer
+
+    return build_scorer(skill["target"]["scorer"], dict(skill["target"].get("options") or {}))
+
+
 def _raw(scorer, answers: dict) -> Optional[float]:
     """R[t][i]: a solved-problem scorer's share solved, a mean scorer's mean."""
-    from .evaluate import score_of
-
     if not answers:
         return None
     score = score_of(scorer, answers)
@@ -181,14 +198,11 @@ def line_history(ledger, model_id: int, version_id: int) -> LineHistory:
     from registry import (base_version, evaluation_extra, get_answers, get_version, latest_evaluation,
                           training_run_config, version_chain)
 
-    from .components import make_scorer
-    from .skills import SkillSpec
-
     chain = version_chain(ledger, version_id)
     versions = [base_version(ledger, model_id), *chain]
     # Runs recorded before lines kept no skill spec: their column is shown, with no scores.
     stored = [training_run_config(ledger, v.training_run_id).get("skill") for v in chain]
-    scorers = [make_scorer(SkillSpec.from_dict(d)) if d else None for d in stored]
+    scorers = [_scorer(d) if d else None for d in stored]
     scores, kl, kl_teacher = [], [], []
     for t, v in enumerate(versions):
         answers = get_answers(ledger, v.id)

@@ -12,10 +12,11 @@ Both read the ledger through registry's public functions only:
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 from .cycle import Applied, CycleContext
-from .skills import SkillSpec
+from .skills import SkillSpec, pinned_spec
 
 
 def chain_specs(ledger, champion: Applied) -> list[tuple[object, dict]]:
@@ -25,9 +26,14 @@ def chain_specs(ledger, champion: Applied) -> list[tuple[object, dict]]:
     return [(v, training_run_config(ledger, v.training_run_id)) for v in champion.deltas]
 
 
-def chain_skill_specs(ledger, champion: Applied) -> list[dict]:
-    """Stored skill specs of the chain, oldest first (runs recorded before lines kept none)."""
-    return [config["skill"] for _, config in chain_specs(ledger, champion) if "skill" in config]
+def chain_skill_specs(ledger, champion: Applied, store=None, cache: Optional[Path] = None) -> list[dict]:
+    """Stored skill specs of the chain, oldest first (runs recorded before lines kept none). With
+    the artifact `store`, each reads the very files its release trained on (flows.skills.pinned_spec)."""
+    specs = [(config["skill"], config.get("skill_files")) for _, config in chain_specs(ledger, champion)
+             if "skill" in config]
+    if store is None:
+        return [spec for spec, _ in specs]
+    return [pinned_spec(spec, kept, store.fetch, cache) for spec, kept in specs]
 
 
 def taught_by_chain(ctx: CycleContext, skill_sha256: str) -> Optional[str]:

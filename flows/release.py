@@ -4,7 +4,8 @@
 threshold, measured value and verdict, and selects among the passing ones. `promote`
 publishes the selected version to MLflow and moves `champion` in one ledger transaction
 (refused if another cycle moved it since the gate measured against it). `rollback` moves
-`champion` back to the previous holder with a recorded reason.
+`champion` back to the previous holder with a recorded reason (flows/cli_ops.py: rollback_champion,
+which `atlas rollback` calls without a flow run).
 """
 from __future__ import annotations
 
@@ -107,17 +108,16 @@ def promote(version_id: int, reason: str, flow_run_id: Optional[str] = None) -> 
 
 @flow(name="rollback", validate_parameters=False)
 def rollback(model: str, reason: str):
-    """Move `champion` of a registered model (name or ledger id) back to its previous holder."""
-    from registry import get_model, get_version, rollback as registry_rollback
-
+    """Move `champion` of a registered model (name or ledger id) back to its previous holder: the
+    deployments' way; `atlas rollback` calls the same plain function without a flow run."""
+    from .cli_ops import rollback_champion
     from .platform import open_platform
 
     p = open_platform()
     try:
-        info = get_model(p.ledger, int(model) if str(model).isdigit() else model)
-        release = registry_rollback(p.ledger, p.bridge, info.id, reason, flow_run_id=_flow_run_id())
-        get_run_logger().info(f"{info.name}: champion is now {get_version(p.ledger, release.version_id).name}")
-        return release
+        done = rollback_champion(p, model, reason, flow_run_id=_flow_run_id())
+        get_run_logger().info(f"{done.model}: champion is now {done.champion}")
+        return done.release
     finally:
         p.close()
 

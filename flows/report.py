@@ -2,7 +2,8 @@
 champion and plots.
 
 Written atomically into `<state>/reports/<model>/<time>-<flow run>/` (report.md, gate.json,
-tradeoff.png, churn.png, history.png); `<state>/reports/<model>/LATEST` names the newest folder.
+tradeoff.png, churn.png, history.png); `<state>/reports/<model>/LATEST` names the newest folder
+(`atlas status` reads it: flows/cli_ops.py, latest_report).
 """
 from __future__ import annotations
 
@@ -171,10 +172,3 @@ def report_folder(state: Path, model_name: str, flow_run_id: str | None) -> Path
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     return state / "reports" / model_name / f"{stamp}-{(flow_run_id or 'local')[:8]}"
 
-
-def latest_report(state: Path, model_name: str) -> Path | None:
-    pointer = state / "reports" / model_name / "LATEST"
-    if not pointer.is_file():
-        return None
-    path = Path(pointer.read_text().strip()) / "report.md"
-    return path if path.is_file() else None

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from atlas_core.errors import InputError
 from atlas_core.paths import PROJECT_ROOT
 
 PREFECT_FILE = PROJECT_ROOT / "deploy" / "prefect.yaml"
@@ -30,7 +31,7 @@ def deployment_spec(name: str = DEPLOYMENT, path: Path = PREFECT_FILE, specs: li
     for spec in specs if specs is not None else deployment_specs(path):
         if spec.get("name") == name:
             return spec
-    raise ValueError(f"{path}: no deployment named {name!r}")
+    raise InputError(f"{path}: no deployment named {name!r}")
 
 
 def serving_plan(names: list[str] | None = None, cron: str | None = None, path: Path = PREFECT_FILE,
@@ -45,14 +46,14 @@ def serving_plan(names: list[str] | None = None, cron: str | None = None, path: 
     if names is None:
         names = [d["name"] for d in specs if d.get("schedules")]
     if (given or cron) and len(names) != 1:
-        raise ValueError(f"serve: --cron and parameter overrides apply to one deployment; pick it with --deployment "
+        raise InputError(f"serve: --cron and parameter overrides apply to one deployment; pick it with --deployment "
                          f"(serving {names})")
     plan = []
     for name in names:
         spec = deployment_spec(name, path, specs)
         schedules = spec.get("schedules") or [{}]
         if not (cron or schedules[0].get("cron")):
-            raise ValueError(f"{path}: deployment {name!r} has no cron schedule; give one with --cron")
+            raise InputError(f"{path}: deployment {name!r} has no cron schedule; give one with --cron")
         plan.append({"name": name, "cron": cron or schedules[0]["cron"], "timezone": schedules[0].get("timezone", "UTC"),
                      "parameters": {**spec.get("parameters", {}), **given}, "description": spec.get("description"),
                      "tags": spec.get("tags")})
@@ -82,7 +83,8 @@ def serve_update(plan: list[dict]) -> None:
 
 def prefect_status(limit: int = 5) -> str:
     """Last `update` flow runs and the next scheduled one: from the Prefect server when
-    PREFECT_API_URL is set, else read in this process from the local database."""
+    PREFECT_API_URL is set, else read in this process from the local database (what `atlas status
+    --prefect` does in local mode; plain `atlas status` reads nothing then: the imports take seconds)."""
     from prefect.settings import PREFECT_API_URL
 
     scheduled, recent = _update_runs_from_server(limit) if PREFECT_API_URL.value() else _update_runs_local(limit)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from atlas_core.errors import InputError
 
@@ -189,6 +189,34 @@ def skill_texts(tokenizer, spec: SkillSpec, role: str, limit: int) -> list[str]:
         raise ValueError(f"released skill {spec.name!r}: no {'held-out' if role == 'gate' else 'training'} pairs "
                          "for its retained contexts (a JSONL skill needs data.val_source)")
     return ["".join(render_chat(tokenizer, p["prompt"], p["response"])) for p in rows[:limit]]
+
+
+def skill_files(spec: SkillSpec) -> dict[str, Path]:
+    """The user files a skill reads, by data field: its JSONL snapshot and held-out file."""
+    return {k: resolve(spec.data[k]) for k in ("source", "val_source")
+            if spec.data.get(k) and spec.data[k] not in BUILTIN_SOURCES}
+
+
+def pinned_spec(spec: dict, kept: dict[str, str] | None, fetch: Callable[[str, Path], Path], cache: Path) -> dict:
+    """A released skill's stored spec, reading exactly the files its release trained on.
+
+    Training keeps each file of the skill in the artifact store by sha256 (`kept`: data field ->
+    sha256); a file removed or rewritten since (old snapshots pruned, a snapshot overwritten in
+    place) is read from a verified copy under `cache` instead, so a data refresh never changes or
+    breaks what later cycles keep of a released skill. The copy keeps the file's name (its
+    dataset name is the name's stem)."""
+    from atlas_core.io import sha256_file
+
+    data = dict(spec["data"])
+    for key, sha in (kept or {}).items():
+        path = resolve(data[key])
+        if path.is_file() and sha256_file(path) == sha:
+            continue
+        copy = cache / sha[:16] / path.name
+        if not copy.is_file():
+            fetch(sha, copy)
+        data[key] = str(copy)
+    return spec | {"data": data}
 
 
 def released_skills(chain_specs: list[dict], training: str) -> list[SkillSpec]:

@@ -36,6 +36,8 @@ from typing import Optional
 
 import torch
 
+from atlas_core.errors import InputError
+
 from .config import digest
 
 
@@ -103,7 +105,7 @@ def _check_backbone(model, bb) -> str:
     from atlas_core.backbone import weights_sha256
 
     if model is not None and bb.revision != model.revision:
-        raise ValueError(f"backbone {model.backbone!r} loads at revision {bb.revision}, the line {model.name} "
+        raise InputError(f"backbone {model.backbone!r} loads at revision {bb.revision}, the line {model.name} "
                          f"was recorded at {model.revision}")
     return weights_sha256(bb.model)
 
@@ -115,13 +117,13 @@ def _parent(runtime, model, ref: str, name: Optional[str]) -> _Parent:
 
     if model is None:
         if ref not in ("base", "champion"):
-            raise ValueError(f"--parent {ref!r}: the line has no versions yet; its first adapter sits on the base")
+            raise InputError(f"--parent {ref!r}: the line has no versions yet; its first adapter sits on the base")
         return _Parent("base", None, (), Chain([]))
     v = resolve_version(runtime.ledger(), model.id, ref)
     if v.status == "retired":
-        raise ValueError(f"--parent {ref!r}: {v.name} was rolled back (retired); re-nominate it first")
+        raise InputError(f"--parent {ref!r}: {v.name} was rolled back (retired); re-nominate it first")
     if name is not None and name in {x.name for x in list_versions(runtime.ledger(), model.id)}:
-        raise ValueError(f"--name {name!r}: a version of {model.name} has that name already; choose another")
+        raise InputError(f"--name {name!r}: a version of {model.name} has that name already; choose another")
     applied = runtime.resolve_applied(v)
     return _Parent(v.name, v, tuple(d.adapter_sha256 for d in applied.deltas), runtime.chain(applied))
 
@@ -162,10 +164,10 @@ def _delta_file(source: str, bb, tmp: Path, parent: _Parent, platform) -> _Found
         return _Found(path, str(manifest.get("kind")), {"source": str(path.resolve()), "sha256": manifest["sha256"],
                                                         "format": "delta"}, manifest.get("atlas_sha256"))
     if path.is_dir():
-        raise FileNotFoundError(f"{path}: no {CONFIG_FILE} (a PEFT adapter folder) and no manifest.json "
-                                "(a release folder)")
-    raise FileNotFoundError(f"{source}: expected a PEFT adapter folder, a delta file (.safetensors with its .json "
-                            "manifest), a release folder or an MLflow model URI (models:/..., runs:/...)")
+        raise InputError(f"{path}: no {CONFIG_FILE} (a PEFT adapter folder) and no manifest.json "
+                         "(a release folder)")
+    raise InputError(f"{source}: expected a PEFT adapter folder, a delta file (.safetensors with its .json "
+                     "manifest), a release folder or an MLflow model URI (models:/..., runs:/...)")
 
 
 def _check_base_name(folder: Path, bb) -> None:
@@ -175,11 +177,11 @@ def _check_base_name(folder: Path, bb) -> None:
     config = read_peft_config(folder)
     name, known = config.get("base_model_name_or_path"), {bb.name, str(getattr(bb.model, "name_or_path", "") or "")}
     if name and name not in known:
-        raise ValueError(f"{folder / 'adapter_config.json'}: base_model_name_or_path {name!r} is not the line's "
+        raise InputError(f"{folder / 'adapter_config.json'}: base_model_name_or_path {name!r} is not the line's "
                          f"backbone {bb.name!r}; train on load_release(LINE, PARENT).model")
     revision = config.get("revision")
     if revision and revision != bb.revision:
-        raise ValueError(f"{folder / 'adapter_config.json'}: revision {revision!r} is not the line's backbone "
+        raise InputError(f"{folder / 'adapter_config.json'}: revision {revision!r} is not the line's backbone "
                          f"revision {bb.revision}")
 
 
@@ -190,7 +192,7 @@ def _from_release_folder(folder: Path, parent: _Parent) -> _Found:
     manifest, _ = load_chain(folder)  # every delta and atlas verified against both manifests
     have = [d["adapter_sha256"] for d in manifest["chain"]]
     if len(have) != len(parent.adapter_sha256s) + 1 or tuple(have[:-1]) != parent.adapter_sha256s:
-        raise ValueError(f"{folder / MANIFEST}: its chain ({len(have)} deltas) is not the parent "
+        raise InputError(f"{folder / MANIFEST}: its chain ({len(have)} deltas) is not the parent "
                          f"{parent.name}'s ({len(parent.adapter_sha256s)} deltas) plus one; submit onto its own "
                          "parent with --parent")
     entry = manifest["chain"][-1]
@@ -213,11 +215,11 @@ def _atlas_of(runtime, found: _Found):
     else:
         info = find_atlas_file(runtime.ledger(), found.atlas_sha256)
         if info is None:
-            raise ValueError(f"{found.path}: it routes with atlas sha256 {found.atlas_sha256[:16]}..., which the "
+            raise InputError(f"{found.path}: it routes with atlas sha256 {found.atlas_sha256[:16]}..., which the "
                              "ledger does not hold; submit a release folder, which carries its atlas")
         atlas = runtime.stored_atlas(info.id, found.atlas_sha256)
     if atlas.sha256 != found.atlas_sha256:
-        raise ValueError(f"{found.path}: expects atlas sha256 {found.atlas_sha256}, the atlas found is {atlas.sha256}")
+        raise InputError(f"{found.path}: expects atlas sha256 {found.atlas_sha256}, the atlas found is {atlas.sha256}")
     return atlas
 
 
@@ -236,7 +238,7 @@ def _downloaded(uri: str, dest: Path, platform) -> Path:
     root = _unwrapped(_download(platform, uri, dest / "download"))
     found = [c.parent for c in root.rglob(CONFIG_FILE)] or [c.parent for c in root.rglob("manifest.json")]
     if len(found) != 1:
-        raise ValueError(f"{uri}: expected one PEFT adapter folder ({CONFIG_FILE}) or release folder inside, "
+        raise InputError(f"{uri}: expected one PEFT adapter folder ({CONFIG_FILE}) or release folder inside, "
                          f"found {len(found)}")
     return found[0]
 
@@ -254,9 +256,9 @@ def _verified_on_chain(path: Path, parent: _Parent, model, atlas):
             ids = torch.arange(3, 11).unsqueeze(0) % model.config.vocab_size  # (1, 8)
             logits = model(ids).logits
     except (ValueError, RuntimeError) as e:
-        raise ValueError(f"{path}: does not apply to the line's backbone after {parent.name}: {e}") from None
+        raise InputError(f"{path}: does not apply to the line's backbone after {parent.name}: {e}") from None
     if not torch.isfinite(logits).all():
-        raise ValueError(f"{path}: the model gives non-finite logits with this adapter")
+        raise InputError(f"{path}: the model gives non-finite logits with this adapter")
     return delta
 
 

@@ -22,7 +22,7 @@ from prefect.cache_policies import NO_CACHE
 from .config import digest, resolve
 from .cycle import CycleContext
 from .retries import transient_only
-from .skills import SkillSet, skill_set
+from .skills import SkillSet, skill_files, skill_set
 
 
 def run_config_for(ctx: CycleContext, method: str, seed: int):
@@ -67,8 +67,11 @@ def open_training_run(ctx: CycleContext, method: str, seed: int, run_config, var
 
     found = find_training_run(ledger(), ctx.backbone.ledger_id, ctx.skill.name, method, seed, key, model_id=ctx.model.id)
     if found is None:
+        # The skill's files are kept by content: later cycles read a released skill from them even
+        # after its snapshot was pruned or overwritten (flows.skills.pinned_spec).
+        kept = {k: platform().store.put_file(path).sha256 for k, path in skill_files(ctx.skill).items()}
         config = {"run_key": key, "run_config": run_config.to_dict() | {"atlas": None}, "skill": ctx.skill.to_dict(),
-                  "skill_sha256": skill_sha256}
+                  "skill_sha256": skill_sha256, "skill_files": kept}
         atlas = ctx.atlas(variant)
         found = (start_training_run(ledger(), ctx.backbone.ledger_id, ctx.skill.name, method, seed, config,
                                     atlas_id=atlas.atlas_id if atlas else None, dataset_id=dataset_id,

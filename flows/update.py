@@ -78,7 +78,7 @@ def resolve_lineage(config: UpdateConfig, policy: ReleasePolicy, flow_run_id: Op
     from .gates import regression_kind
     from .lineage import chain_skill_specs
     from .policy import PASS_FAIL
-    from .runtime import ledger, resolve_applied, scorer
+    from .runtime import ledger, platform, resolve_applied, scorer
     from .skills import SkillSpec, released_skills, require_evaluable
 
     revision, dtype, layers, weights = load_backbone_task(config.backbone, config.dtype)
@@ -86,7 +86,8 @@ def resolve_lineage(config: UpdateConfig, policy: ReleasePolicy, flow_run_id: Op
     layer = layers // 2 if config.layer == -1 else config.layer
     champion = resolve_applied(holder)
     skill = SkillSpec.from_config(config)
-    released = released_skills(chain_skill_specs(ledger(), champion), skill.name)
+    kept = chain_skill_specs(ledger(), champion, platform().store, platform().state / "cache" / "snapshots")
+    released = released_skills(kept, skill.name)
     # Everything a cycle will read of each skill, resolved before anything trains: its files, both
     # sides of its pairs (the one taught now is a released skill of every later cycle) and its scorer.
     require_evaluable(skill, "target")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..errors import InputError
+
 ATLAS_VARIANTS = ("local", "global", "random-local", "shuffled-patch")
 
 
@@ -24,14 +26,14 @@ class AtlasConfig:
 
     def __post_init__(self) -> None:
         if self.variant not in ATLAS_VARIANTS:
-            raise ValueError(f"variant: expected one of {ATLAS_VARIANTS}, got {self.variant!r}")
+            raise InputError(f"variant: expected one of {ATLAS_VARIANTS}, got {self.variant!r}")
         if self.variant == "global":
             self.num_charts = 1
         for name in ("num_charts", "rank", "num_vectors", "per_example", "max_iter", "restarts"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
+                raise InputError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
         if self.equal_support is not None and self.equal_support <= self.rank:
-            raise ValueError(f"equal_support: expected more than rank={self.rank} vectors, got {self.equal_support}")
+            raise InputError(f"equal_support: expected more than rank={self.rank} vectors, got {self.equal_support}")
 
     def to_dict(self) -> dict:
         return asdict(self)

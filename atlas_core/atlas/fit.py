@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from ..errors import InputError
 from .config import AtlasConfig
 from .model import Atlas
 
@@ -55,7 +56,7 @@ def kmeans(x: torch.Tensor, k: int, seed: int = 0, max_iter: int = 100, restarts
     """
     n, d = x.shape
     if n < k:
-        raise ValueError(f"num_vectors: k-means with {k} charts needs at least {k} vectors, got {n}")
+        raise InputError(f"num_vectors: k-means with {k} charts needs at least {k} vectors, got {n}")
     generator = torch.Generator().manual_seed(seed)
     x_sq = (x * x).sum(1)
     # Seed on a subsample: seeding reads the data once per chart, Lloyd then refines on all of it.
@@ -132,7 +133,7 @@ def fit_atlas(x: torch.Tensor, config: AtlasConfig, meta: dict | None = None) ->
     x = x.float()
     k, m = config.num_charts, config.rank
     if m > x.shape[1]:
-        raise ValueError(f"rank: expected at most d={x.shape[1]} directions per chart, got {m}")
+        raise InputError(f"rank: expected at most d={x.shape[1]} directions per chart, got {m}")
     generator = torch.Generator().manual_seed(config.seed + 1)
     centers, labels, inertia = kmeans(x, k, config.seed, config.max_iter, config.restarts) if k > 1 else (
         x.mean(0, keepdim=True), torch.zeros(len(x), dtype=torch.long, device=x.device), 0.0)
