@@ -17,7 +17,18 @@ look up by value (backbone, deltas, atlases, KL caches): flows/runtime.py. Impor
 Prefect's home at the project state folder (unless PREFECT_HOME is set).
 """
 from .platform import configure_environment
-from .serving import load_release  # noqa: F401 (the public way to use a release)
-from .submit import submit_candidate  # noqa: F401 (adapters trained elsewhere join a line)
 
 configure_environment()
+
+# The public functions, imported on first use: they bring torch, transformers and Prefect, which
+# the operational commands (`atlas rollback`, `status`, ...) must not wait for.
+_LAZY = {"load_release": ".serving", "submit_candidate": ".submit"}
+
+
+def __getattr__(name: str):
+    """`flows.load_release` (use a release) and `flows.submit_candidate` (an adapter trained elsewhere joins a line)."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,7 +21,13 @@ def _load(args: argparse.Namespace):
     from .serving import load_release
 
     target, version = _target(args)
-    return load_release(target, version, dtype=args.dtype, device=args.device, backbone=args.backbone)
+    return load_release(target, version, dtype=args.dtype, device=args.device, backbone=args.backbone,
+                        **_opt_outs(args))
+
+
+def _opt_outs(args: argparse.Namespace) -> dict[str, bool]:
+    """What a person explicitly chose not to verify (atlas_core.release.load_folder)."""
+    return {"verify_backbone": not args.no_verify_backbone, "require_sidecar": not args.allow_legacy_folder}
 
 
 def _target(args: argparse.Namespace) -> tuple[str, str]:
@@ -126,7 +132,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     check_device(args.device)
     target, version = _target(args)
     with release_folder(target, version, args.backbone) as folder:
-        release = load_folder(folder, dtype=args.dtype, device=args.device, backbone_loader=load_model)
+        release = load_folder(folder, dtype=args.dtype, device=args.device, backbone_loader=load_model,
+                              **_opt_outs(args))
         if args.format == "mlflow":
             from .pyfunc import save_pyfunc
 
@@ -142,6 +149,10 @@ EXPORT_FORMATS = ("folder", "peft", "merged")  # atlas_core.export.FORMATS; not 
 
 def add_commands(sub, common: argparse.ArgumentParser, model: argparse.ArgumentParser) -> None:
     use = argparse.ArgumentParser(add_help=False)
+    use.add_argument("--no-verify-backbone", action="store_true", help="load a release whose manifest names no "
+                     "backbone weights sha256, or whose backbone weights differ (unverified; at your own risk)")
+    use.add_argument("--allow-legacy-folder", action="store_true", help="load a release folder written before "
+                     "manifest.sha256 sidecars (`atlas export --format folder` of it writes one)")
     use.add_argument("--device", default=None, help="torch device to run on: cpu, cuda, cuda:N, mps... "
                      "(default: the CPU); checked before anything loads")
     p = sub.add_parser("generate", parents=[common, model, use], help="generate with a release (chat template, greedy "

@@ -14,12 +14,15 @@ os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
-from mlflow.exceptions import MlflowException
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+# mlflow is imported when a bridge first talks to MLflow (about 2 s with its store's schema
+# check), not when the platform opens: `atlas status`, `history` or `gate --explain` never do.
 
 MANAGED_ALIASES = ("champion", "candidate")
 _MAX_PARAM_LEN = 6000  # MLflow's limit is 6000 characters per param value
@@ -58,6 +61,13 @@ class PyfuncModel:
     pip_requirements: Optional[list[str]] = None
 
 
+def _mlflow_error() -> type[Exception]:
+    """MLflow's exception class (evaluated only when an exception is being matched)."""
+    from mlflow.exceptions import MlflowException
+
+    return MlflowException
+
+
 def experiment_name(backbone: str, line: str) -> str:
     return f"{backbone} / {line}"
 
@@ -67,8 +77,18 @@ class MlflowBridge:
 
     def __init__(self, config: MlflowConfig) -> None:
         self.config = config
-        self.client = MlflowClient(tracking_uri=config.tracking_uri,
-                                   registry_uri=config.registry_uri or config.tracking_uri)
+
+    @cached_property
+    def client(self) -> "MlflowClient":
+        import logging
+
+        from mlflow import MlflowClient
+
+        # Creating or migrating MLflow's own database logs at INFO on stderr; a command's output is ours.
+        for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        return MlflowClient(tracking_uri=self.config.tracking_uri,
+                            registry_uri=self.config.registry_uri or self.config.tracking_uri)
 
     # -- experiments and runs ---------------------------------------------------------
     def experiment_id(self, backbone: str, line: str) -> str:
@@ -81,7 +101,7 @@ class MlflowBridge:
         location = f"{self.config.artifact_root.rstrip('/')}/{folder}"
         try:
             return self.client.create_experiment(name, artifact_location=location)
-        except MlflowException:
+        except _mlflow_error():
             # Another process created it between our lookup and our create.
             existing = self.client.get_experiment_by_name(name)
             if existing is None:
@@ -96,6 +116,8 @@ class MlflowBridge:
         return run.info.run_id
 
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
         items = [Param(str(k), str(v)[:_MAX_PARAM_LEN]) for k, v in sorted(params.items())]
         for i in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
             self.client.log_batch(run_id, params=items[i:i + 100])
@@ -103,6 +125,8 @@ class MlflowBridge:
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int) -> None:
         """Metrics of one checkpoint, indexed by training step."""
         now = int(time.time() * 1000)
+        from mlflow.entities import Metric
+
         items = [Metric(k, float(v), now, int(step)) for k, v in sorted(metrics.items())]
         for i in range(0, len(items), 1000):
             self.client.log_batch(run_id, metrics=items[i:i + 1000])
@@ -117,6 +141,8 @@ class MlflowBridge:
         self.client.log_inputs(run_id, datasets=[DatasetInput(dataset, [InputTag(MLFLOW_DATASET_CONTEXT, context)])])
 
     def set_run_tags(self, run_id: str, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_file(self, run_id: str, path: str | Path, artifact_path: Optional[str] = None) -> None:
@@ -164,10 +190,10 @@ class MlflowBridge:
     def ensure_registered_model(self, name: str, description: str = "") -> None:
         try:
             self.client.get_registered_model(name)
-        except MlflowException:
+        except _mlflow_error():
             try:
                 self.client.create_registered_model(name, description=description)
-            except MlflowException:
+            except _mlflow_error():
                 self.client.get_registered_model(name)  # created concurrently: fine
 
     def create_version(self, model_name: str, run_id: str, artifact_path: str,
@@ -197,7 +223,7 @@ class MlflowBridge:
         """alias -> version for a registered model ({} when the model does not exist)."""
         try:
             model = self.client.get_registered_model(model_name)
-        except MlflowException:
+        except _mlflow_error():
             return {}
         return {alias: str(version) for alias, version in model.aliases.items()}
 
