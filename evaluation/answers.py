@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
+from atlas_core.errors import InputError
+
 from atlas_core.io import atomic_write_bytes
 from evaluation.userdata import jsonl_objects
 
@@ -117,7 +119,7 @@ def write_answers(path: str | Path, answers: Iterable[Answer], keep_raw: bool = 
     lines, seen = [], set()
     for a in answers:
         if a.id in seen:
-            raise ValueError(f"{path}: duplicate answer id {a.id!r}")
+            raise InputError(f"{path}: duplicate answer id {a.id!r}")
         seen.add(a.id)
         row = asdict(a)
         if not keep_raw or a.raw is None:
@@ -132,10 +134,10 @@ def read_answers(path: str | Path) -> dict[str, Answer]:
     for _, where, row in jsonl_objects(path):
         for name, kinds in (("id", (str,)), ("answer", (str, type(None))), ("correct", (bool,))):
             if name not in row:
-                raise ValueError(f"{where}: field '{name}' is missing")
+                raise InputError(f"{where}: field '{name}' is missing")
             if not isinstance(row[name], kinds):
-                raise ValueError(f"{where}: field '{name}' has type {type(row[name]).__name__}")
+                raise InputError(f"{where}: field '{name}' has type {type(row[name]).__name__}")
         if row["id"] in out:
-            raise ValueError(f"{where}: field 'id' {row['id']!r} appears twice")
+            raise InputError(f"{where}: field 'id' {row['id']!r} appears twice")
         out[row["id"]] = Answer(row["id"], row["answer"], row["correct"], row.get("raw"))
     return out

@@ -8,6 +8,8 @@ released skill gates on its held-out pairs and calibrates on its training pairs.
 """
 from __future__ import annotations
 
+from atlas_core.errors import InputError
+
 from .cycle import CycleContext
 from .skills import SkillSpec, skill_set, skill_texts
 
@@ -71,7 +73,7 @@ def share_examples(needed: int, available: dict[str, int]) -> dict[str, int]:
         out[m] = min(available[m], fair)
         left -= out[m]
     if left > 0:
-        raise ValueError(f"atlas.num_vectors: needs {needed} calibration examples, the retained set has only "
+        raise InputError(f"atlas.num_vectors: needs {needed} calibration examples, the retained set has only "
                          f"{needed - left} ({available}); lower atlas.num_vectors or raise atlas.per_example")
     return out
 

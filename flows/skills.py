@@ -186,7 +186,7 @@ def skill_texts(tokenizer, spec: SkillSpec, role: str, limit: int) -> list[str]:
     s = skill_set(SkillSpec(spec.name, spec.data | {"train_limit": None, "val_limit": None}, spec.target))
     rows = s.val if role == "gate" else s.train
     if not rows:
-        raise ValueError(f"released skill {spec.name!r}: no {'held-out' if role == 'gate' else 'training'} pairs "
+        raise InputError(f"released skill {spec.name!r}: no {'held-out' if role == 'gate' else 'training'} pairs "
                          "for its retained contexts (a JSONL skill needs data.val_source)")
     return ["".join(render_chat(tokenizer, p["prompt"], p["response"])) for p in rows[:limit]]
 

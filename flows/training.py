@@ -19,6 +19,8 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from atlas_core.errors import InputError
+
 from .config import digest, resolve
 from .cycle import CycleContext
 from .retries import transient_only
@@ -34,7 +36,7 @@ def run_config_for(ctx: CycleContext, method: str, seed: int):
     over = ctx.config.train
     path = resolve(Path(over.configs_dir) / f"{method}.yaml")
     if not path.is_file():
-        raise ValueError(f"candidates.methods: no run config {path} for method {method!r}")
+        raise InputError(f"candidates.methods: no run config {path} for method {method!r}")
     rc = load_run_config(path)
     changes = {k: getattr(over, k) for k in ("epochs", "lr", "batch_size", "max_length", "on_bad_example",
                                              "checkpoint_every_steps") if getattr(over, k) is not None}

@@ -29,6 +29,8 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from atlas_core.errors import InputError
+
 from .platform import DEFAULT_CONFIG, DEFAULT_POLICY, configure_environment
 
 configure_environment()
@@ -115,7 +117,7 @@ def needed_atlas_variants(ctx: CycleContext) -> list[str]:
     for method in ctx.policy.candidates.methods:
         path = resolve(f"{ctx.config.train.configs_dir}/{method}.yaml")
         if not path.is_file():
-            raise ValueError(f"candidates.methods: no run config {path} for method {method!r}")
+            raise InputError(f"candidates.methods: no run config {path} for method {method!r}")
         adapter = load_run_config(path).adapter
         variant = None if adapter == "weight-lora" else RESIDUAL_VARIANTS[adapter]
         if variant and variant not in variants:
