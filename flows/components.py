@@ -14,11 +14,12 @@ def load_model(name: str, dtype: str):
 
 
 # ------------------------------------------------------------------------------ target scorers
-def make_scorer(spec):
-    """The target scorer of a skill (flows.skills.SkillSpec), built and validated without a model."""
+def make_scorer(target: dict):
+    """The target scorer of a skill from its target spec ({scorer, options}: flows.skills.SkillSpec.target,
+    also as a training run stored it), built and validated without a model."""
     from evaluation.scorers import build_scorer
 
-    return build_scorer(spec.target["scorer"], dict(spec.target.get("options") or {}))
+    return build_scorer(target["scorer"], dict(target.get("options") or {}))
 
 
 def json_dumps(obj) -> str:

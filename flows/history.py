@@ -177,14 +177,6 @@ def score_of(scorer, answers: dict) -> float:
     return scorer.summarise(problem_scores(scorer, answers)) if answers else math.nan
 
 
-def _scorer(skill: dict):
-    """A released skill's target scorer, from the spec its training run stored (flows.components.make_scorer
-    without building the whole SkillSpec: only `target` matters, and flows/skills.py imports the data loaders)."""
-    from evaluation.scorers import build_scorer
-
-    return build_scorer(skill["target"]["scorer"], dict(skill["target"].get("options") or {}))
-
-
 def _raw(scorer, answers: dict) -> Optional[float]:
     """R[t][i]: a solved-problem scorer's share solved, a mean scorer's mean."""
     if not answers:
@@ -198,11 +190,13 @@ def line_history(ledger, model_id: int, version_id: int) -> LineHistory:
     from registry import (base_version, evaluation_extra, get_answers, get_version, latest_evaluation,
                           training_run_config, version_chain)
 
+    from .components import make_scorer  # light: no Prefect (`atlas history` must answer at once)
+
     chain = version_chain(ledger, version_id)
     versions = [base_version(ledger, model_id), *chain]
     # Runs recorded before lines kept no skill spec: their column is shown, with no scores.
     stored = [training_run_config(ledger, v.training_run_id).get("skill") for v in chain]
-    scorers = [_scorer(d) if d else None for d in stored]
+    scorers = [make_scorer(d["target"]) if d else None for d in stored]
     scores, kl, kl_teacher = [], [], []
     for t, v in enumerate(versions):
         answers = get_answers(ledger, v.id)

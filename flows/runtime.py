@@ -97,7 +97,7 @@ def scorer(spec):
     """The target scorer of a flows.skills.SkillSpec (built once per spec)."""
     from .components import json_dumps, make_scorer
 
-    return _cached(("scorer", json_dumps(spec.target)), lambda: make_scorer(spec))
+    return _cached(("scorer", json_dumps(spec.target)), lambda: make_scorer(spec.target))
 
 
 def atlas_file(path: str):
