@@ -20,7 +20,7 @@ def _check_cycle_files(config: str, policy: str, backbone: str | None = None, sk
     cfg = load_update_config(config, backbone=backbone, skill=skill, line=line)
     load_cycle_policy(policy, cfg)
     if snapshot is not None:
-        resolve_snapshot(snapshot)
+        resolve_snapshot(snapshot, "--snapshot")
     return cfg
 
 
@@ -111,24 +111,30 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     model.add_argument("--line", "--skill", dest="line", default="assistant",
                        help="release line of the registered model (default: %(default)s)")
     model.add_argument("--model", default=None, help="registered model name (default: <backbone>.<line>)")
-    cycle = argparse.ArgumentParser(add_help=False)
-    cycle.add_argument("--config", default=DEFAULT_CONFIG, help="update config YAML (default: %(default)s)")
-    cycle.add_argument("--policy", default=DEFAULT_POLICY, help="release policy YAML (default: %(default)s)")
-    cycle.add_argument("--backbone", default=None, help="override the config's backbone")
-    cycle.add_argument("--skill", default=None, help="override the config's skill")
-    cycle.add_argument("--line", default=None, help="override the config's release line")
-    cycle.add_argument("--snapshot", default=None,
-                       help="the skill's training data: a JSONL file, or a folder whose newest snapshot is taken")
+    def cycle(config: str | None, policy: str | None) -> argparse.ArgumentParser:
+        """A cycle's arguments; a parser of its own per command, since argparse shares a parent's
+        actions (set_defaults on one command would change the other's defaults)."""
+        c = argparse.ArgumentParser(add_help=False)
+        c.add_argument("--config", default=config, help="update config YAML (default: %(default)s)")
+        c.add_argument("--policy", default=policy, help="release policy YAML (default: %(default)s)")
+        c.add_argument("--backbone", default=None, help="override the config's backbone")
+        c.add_argument("--skill", default=None, help="override the config's skill")
+        c.add_argument("--line", default=None, help="override the config's release line")
+        c.add_argument("--snapshot", default=None,
+                       help="the skill's training data: a JSONL file, or a folder whose newest complete snapshot "
+                       "(last *.jsonl by name) is taken")
+        return c
 
-    p = sub.add_parser("update", parents=[cycle], help="run one update cycle now: atlas, training, evaluation, gate, "
-                       "promotion, report")
+    p = sub.add_parser("update", parents=[cycle(DEFAULT_CONFIG, DEFAULT_POLICY)], help="run one update cycle now: "
+                       "atlas, training, evaluation, gate, promotion, report")
     p.set_defaults(func=cmd_update)
-    p = sub.add_parser("serve", parents=[cycle], help="serve the scheduled `update` deployments (one per line or skill) "
-                       "of deploy/prefect.yaml from this process")
+    # None: each served deployment keeps its own config and policy (deploy/prefect.yaml).
+    p = sub.add_parser("serve", parents=[cycle(None, None)], help="serve the scheduled `update` deployments (one per "
+                       "line or skill) of deploy/prefect.yaml from this process")
     p.add_argument("--deployment", action="append", default=None, metavar="NAME",
                    help="a deployment of deploy/prefect.yaml to serve (repeatable; default: every scheduled one)")
     p.add_argument("--cron", default=None, help="cron schedule of the one served deployment (default: its own)")
-    p.set_defaults(func=cmd_serve, config=None, policy=None)  # unset: each deployment's own parameters
+    p.set_defaults(func=cmd_serve)
 
     from .cli_ops import add_commands as add_ops_commands
 

@@ -57,7 +57,7 @@ class SkillSpec:
         return TargetSpec(**self.target)
 
 
-def resolve_snapshot(source: str | Path) -> Path:
+def resolve_snapshot(source: str | Path, where: str = "data.source") -> Path:
     """A skill file, or the newest complete snapshot of a folder of them.
 
     A folder's snapshots are its `*.jsonl` files, newest = last by name (name them so they sort
@@ -71,11 +71,11 @@ def resolve_snapshot(source: str | Path) -> Path:
         if any(_sidecar(p).is_file() for p in snapshots):
             snapshots = [p for p in snapshots if _sidecar(p).is_file()]
         if not snapshots:
-            raise InputError(f"data.source: folder {path} holds no complete *.jsonl snapshot")
+            raise InputError(f"{where}: folder {path} holds no complete *.jsonl snapshot")
         path = snapshots[-1]
     elif not path.is_file():
-        raise InputError(f"data.source: expected 'mbpp', 'gsm8k', a JSONL skill file or a folder of them, got {source!r}")
-    _check_sidecar(path)
+        raise InputError(f"{where}: expected 'mbpp', 'gsm8k', a JSONL skill file or a folder of them, got {source!r}")
+    _check_sidecar(path, where)
     return path
 
 
@@ -83,7 +83,7 @@ def _sidecar(snapshot: Path) -> Path:
     return snapshot.with_name(snapshot.name + ".sha256")
 
 
-def _check_sidecar(snapshot: Path) -> None:
+def _check_sidecar(snapshot: Path, where: str) -> None:
     """A snapshot with a sha256 sidecar (`sha256sum` format or the bare hash) must match it."""
     from atlas_core.io import sha256_file
 
@@ -92,7 +92,7 @@ def _check_sidecar(snapshot: Path) -> None:
         return
     expected = (sidecar.read_text().split() or [""])[0].lower()
     if sha256_file(snapshot) != expected:
-        raise InputError(f"data.source: {snapshot} does not match its sidecar {sidecar.name} (sha256 {expected[:16]}...): "
+        raise InputError(f"{where}: {snapshot} does not match its sidecar {sidecar.name} (sha256 {expected[:16]}...): "
                          "still being written, or changed after it was taken")
 
 

@@ -120,6 +120,20 @@ def test_real_bad_input_of_commands_is_one_line(state, capsys, tmp_path):
     assert "missing.yaml" in line
     line = one_error_line(capsys, "gate")
     assert "--explain" in line
+    # Without --config/--policy the documented defaults apply (`atlas serve`'s None defaults once
+    # leaked into `atlas update` through argparse's shared parent actions: a TypeError traceback).
+    line = one_error_line(capsys, "update", "--snapshot", str(tmp_path / "none.jsonl"))
+    assert "--snapshot" in line and "none.jsonl" in line
+
+
+def test_update_and_serve_keep_their_own_defaults():
+    from flows.cli import build_parser
+    from flows.platform import DEFAULT_CONFIG, DEFAULT_POLICY
+
+    update = build_parser().parse_args(["update"])
+    assert (update.config, update.policy) == (DEFAULT_CONFIG, DEFAULT_POLICY)
+    serve = build_parser().parse_args(["serve"])
+    assert (serve.config, serve.policy) == (None, None)  # each deployment's own
 
 
 @pytest.mark.parametrize("device, says", [("gpu7", "not a torch device"), ("cuda", "no cuda device"),
