@@ -12,7 +12,6 @@ import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from atlas_core.atlas import ATLAS_VARIANTS
 from atlas_core.backbone import DTYPES
 from atlas_core.paths import PROJECT_ROOT
 from evaluation.contexts import RETAINED_DOMAINS
@@ -233,11 +232,3 @@ def load_update_config(path: str | Path | None = None, **overrides) -> UpdateCon
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from e
     return replace(config, **{k: v for k, v in overrides.items() if v is not None})
-
-
-def atlas_variants_for(methods: list[str]) -> list[str]:
-    """Atlas variants the candidate methods need (e.g. full ATLAS: 'local'; Weight-LoRA: none)."""
-    from atlas_core.residual import RESIDUAL_VARIANTS
-
-    needed = {RESIDUAL_VARIANTS.get(m) for m in methods} - {None}
-    return [v for v in ATLAS_VARIANTS if v in needed]

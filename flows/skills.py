@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 from atlas_core.errors import InputError
 
-from .config import SKILL_SOURCES, SkillData, TargetSpec, UpdateConfig, resolve
+from .config import SKILL_SOURCES, SkillData, UpdateConfig, resolve
 
 BUILTIN_SOURCES = SKILL_SOURCES
 
@@ -51,10 +51,6 @@ class SkillSpec:
     @property
     def skill_data(self) -> SkillData:
         return SkillData(**self.data)
-
-    @property
-    def target_spec(self) -> TargetSpec:
-        return TargetSpec(**self.target)
 
 
 def resolve_snapshot(source: str | Path, where: str = "data.source") -> Path:

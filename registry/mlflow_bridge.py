@@ -140,14 +140,6 @@ class MlflowBridge:
         dataset = Dataset(name=name, digest=sha256[:32], source_type="ledger", source=source)
         self.client.log_inputs(run_id, datasets=[DatasetInput(dataset, [InputTag(MLFLOW_DATASET_CONTEXT, context)])])
 
-    def set_run_tags(self, run_id: str, tags: dict[str, str]) -> None:
-        from mlflow.entities import RunTag
-
-        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
-
-    def log_file(self, run_id: str, path: str | Path, artifact_path: Optional[str] = None) -> None:
-        self.client.log_artifact(run_id, str(path), artifact_path)
-
     def log_folder(self, run_id: str, folder: str | Path, artifact_path: str) -> None:
         self.client.log_artifacts(run_id, str(folder), artifact_path)
 
