@@ -48,7 +48,7 @@ def _register() -> None:
     # user of this process: warn, and `PeftModel.from_pretrained` of an ATLAS export says KeyError.
     try:
         importlib.import_module("atlas_core.residual.peft")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         warnings.warn(f"atlas_core: the ATLAS PEFT method could not be registered with PEFT: {e!r}", stacklevel=2)
 
 

@@ -13,6 +13,7 @@ Both work on any decoder stack the model's own forward drives (Llama, Qwen2/3, G
 Mistral, ...), because they reuse that forward (masks, rotary embeddings, sliding windows)
 and only cut it short or swap lower layers for a cached result.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -82,8 +83,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
     for name, module in lists:
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in ("layers", "h", "blocks", "layer") and len(module) == n and not any(
-            tag in name for tag in _NON_TEXT_STACKS
+        if (
+            leaf in ("layers", "h", "blocks", "layer")
+            and len(module) == n
+            and not any(tag in name for tag in _NON_TEXT_STACKS)
         ):
             return module
     found = ", ".join(f"{name}[{len(m)}]" for name, m in lists) or "none"
@@ -134,8 +137,9 @@ def resolve_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def load_backbone(name: str = DEFAULT_BACKBONE, dtype: torch.dtype | str = torch.float32,
-                  revision: str | None = None) -> Backbone:
+def load_backbone(
+    name: str = DEFAULT_BACKBONE, dtype: torch.dtype | str = torch.float32, revision: str | None = None
+) -> Backbone:
     """Load `name` (the default alias, a local folder or a hub id) in eval mode, frozen.
     `dtype` is a torch dtype or a name from DTYPES ('auto': see resolve_dtype)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -147,8 +151,10 @@ def load_backbone(name: str = DEFAULT_BACKBONE, dtype: torch.dtype | str = torch
     else:
         path = name
         if name.startswith(("/", ".", "~")) and not Path(name).expanduser().is_dir():
-            raise InputError(f"backbone: no model folder at {name} (expected {DEFAULT_BACKBONE!r}, a local folder "
-                             "or a hub id in the local cache)")
+            raise InputError(
+                f"backbone: no model folder at {name} (expected {DEFAULT_BACKBONE!r}, a local folder "
+                "or a hub id in the local cache)"
+            )
     try:
         model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
@@ -243,7 +249,9 @@ def _convert_gguf(gguf: Path, cache: Path) -> str:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        atomic_write_json(tmp / "converted.json", {"source": str(gguf), "gguf_size": gguf.stat().st_size, "revision": revision})
+        atomic_write_json(
+            tmp / "converted.json", {"source": str(gguf), "gguf_size": gguf.stat().st_size, "revision": revision}
+        )
         if cache.exists():  # a stale or half-written conversion from an older package
             shutil.rmtree(cache)
         os.replace(tmp, cache)
@@ -269,8 +277,13 @@ def with_layer_output(output, hidden: torch.Tensor):
 
 
 @torch.no_grad()
-def hidden_at_layer(model: nn.Module, layer: int, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                    position_ids: torch.Tensor | None = None) -> torch.Tensor:
+def hidden_at_layer(
+    model: nn.Module,
+    layer: int,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Output of decoder layer `layer` (B, T, d); layers above it and the LM head never run.
     `position_ids` (None: the model's default, 0..T-1) matter for left-padded batches."""
     layers = decoder_layers(model)
@@ -305,7 +318,9 @@ class _Inject(nn.Module):
 
     def forward(self, hidden_states, *args, **kwargs):
         if self.hidden.shape[:2] != hidden_states.shape[:2]:
-            raise ValueError(f"cached hidden states {tuple(self.hidden.shape)} do not match the inputs {tuple(hidden_states.shape)}")
+            raise ValueError(
+                f"cached hidden states {tuple(self.hidden.shape)} do not match the inputs {tuple(hidden_states.shape)}"
+            )
         return self.hidden
 
 
@@ -323,7 +338,11 @@ def _lower_layers_replaced(layers: nn.ModuleList, layer: int, hidden: torch.Tens
 
 
 def run_from_layer(
-    model: nn.Module, layer: int, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    model: nn.Module,
+    layer: int,
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logits (B, T, V) of the model whose layer-`layer` output is `hidden` (B, T, d).
@@ -339,7 +358,9 @@ def run_from_layer(
     if hidden.shape[:2] != input_ids.shape:
         raise ValueError(f"hidden: expected shape {tuple(input_ids.shape)} + (d,), got {tuple(hidden.shape)}")
     with _lower_layers_replaced(layers, layer, hidden):
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
+        return model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).logits
 
 
 # --------------------------------------------------------------------------- stopping before the LM head
@@ -369,8 +390,14 @@ def full_hidden(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torc
     return _stopping_at_head(model, lambda: model(input_ids=ids, attention_mask=mask, use_cache=False))
 
 
-def upper_hidden(model: nn.Module, layer: int, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
-                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+def upper_hidden(
+    model: nn.Module,
+    layer: int,
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Final hidden states given layer `layer`'s output `hidden`: only layers above it run."""
     return _stopping_at_head(model, lambda: run_from_layer(model, layer, hidden, ids, mask, position_ids))
 

@@ -19,6 +19,7 @@ a PEFT LoRA adapter trained elsewhere: one FrozenLoRA per adapted Linear):
 Nothing is copied: `with chain.attached(model): ...` installs every delta and removes them
 all on exit, leaving the backbone bit-identical.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,7 +73,9 @@ class FrozenLoRA:
 
     def __init__(self, module_name: str, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, layer: int):
         if lora_A.ndim != 2 or lora_B.ndim != 2 or lora_A.shape[0] != lora_B.shape[1]:
-            raise ValueError(f"lora: expected A (r, d_in) and B (d_out, r), got {tuple(lora_A.shape)} and {tuple(lora_B.shape)}")
+            raise ValueError(
+                f"lora: expected A (r, d_in) and B (d_out, r), got {tuple(lora_A.shape)} and {tuple(lora_B.shape)}"
+            )
         self.module_name, self.scaling, self.layer = module_name, float(scaling), int(layer)
         self.lora_A, self.lora_B = lora_A.detach(), lora_B.detach()  # (r, d_in), (d_out, r)
 
@@ -112,9 +115,11 @@ def load_delta(path: str | Path, atlas_for: Callable[[str], Atlas | None]) -> De
         return FrozenLoRA.load(path)
     if manifest.get("kind") == "toplora":  # not mergeable: applied by its own frozen form
         from .train.baselines.toplora import FrozenTopLoRA
+
         return FrozenTopLoRA.load(path)
     if manifest.get("kind") == "peft-lora":  # a PEFT LoRA adapter trained elsewhere (atlas_core.peft_lora)
         from .peft_lora import LoraSet
+
         return LoraSet.load(path)
     atlas_sha = manifest.get("atlas_sha256")
     return load_adapter(path, atlas_for(atlas_sha) if atlas_sha else None)

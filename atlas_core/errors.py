@@ -8,6 +8,7 @@ exception is a bug and keeps its traceback.
 
 It subclasses ValueError so that code written against ValueError still catches it.
 """
+
 from __future__ import annotations
 
 

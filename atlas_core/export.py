@@ -16,6 +16,7 @@ factors, A = [A_1; A_2; ...] (sum r_i, d_in) and B = [s_1 B_1, s_2 B_2, ...] (d_
 gives B A = sum_i s_i B_i A_i, which is PEFT's `add_weighted_adapter(combination_type="cat")`
 with unit weights; the adapter's scaling is set to 1 (lora_alpha = r per module).
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,8 +29,8 @@ import torch
 from .backbone import weights_folder, weights_sha256
 from .chain import Chain, FrozenLoRA
 from .errors import InputError
-from .peft_lora import LoraSet
 from .io import atomic_folder, atomic_write_json
+from .peft_lora import LoraSet
 from .release import LoadedRelease, write_manifest
 from .residual import AtlasResidual
 
@@ -87,13 +88,17 @@ def _loras(i: int, delta) -> list[FrozenLoRA]:
     if isinstance(delta, LoraSet):
         return delta.loras
     if isinstance(delta, AtlasResidual):
-        raise InputError(f"delta {i} of the chain is an ATLAS residual: it is input-conditioned (routed by h), "
-                         "so it is no LoRA and folds into no weight; export it with --format peft (the ATLAS "
-                         "PEFT method) or --format folder")
+        raise InputError(
+            f"delta {i} of the chain is an ATLAS residual: it is input-conditioned (routed by h), "
+            "so it is no LoRA and folds into no weight; export it with --format peft (the ATLAS "
+            "PEFT method) or --format folder"
+        )
     if not isinstance(delta, FrozenLoRA):
-        raise InputError(f"delta {i} of the chain is a {getattr(delta, 'kind', type(delta).__name__)} delta, "
-                         "which is no plain LoRA (e.g. TopLoRA's token-wise gate) and folds into no weight; "
-                         "export it with --format folder")
+        raise InputError(
+            f"delta {i} of the chain is a {getattr(delta, 'kind', type(delta).__name__)} delta, "
+            "which is no plain LoRA (e.g. TopLoRA's token-wise gate) and folds into no weight; "
+            "export it with --format folder"
+        )
     return [delta]
 
 
@@ -109,7 +114,7 @@ def chain_since(release: LoadedRelease, since: str | None) -> Chain:
     names = [d.get("name") for d in release.manifest["chain"]]
     if since not in names:
         raise InputError(f"--since: {since!r} is not in {release.name}'s chain ({', '.join(map(str, names))})")
-    return Chain(release.chain.deltas[names.index(since) + 1:])
+    return Chain(release.chain.deltas[names.index(since) + 1 :])
 
 
 def export_peft(release: LoadedRelease, out: str | Path, since: str | None = None) -> Path:
@@ -125,18 +130,28 @@ def export_peft(release: LoadedRelease, out: str | Path, since: str | None = Non
             save_atlas_adapter(chain, release.model, release.manifest["backbone"]["name"], tmp)
         return Path(out)
     if kinds == {True, False}:
-        raise InputError(f"{release.name}: its chain mixes ATLAS residuals and LoRA deltas; one PEFT adapter holds "
-                         "one method: export with --format folder or mlflow, or the LoRA deltas alone with "
-                         "--since <the last ATLAS release>")
+        raise InputError(
+            f"{release.name}: its chain mixes ATLAS residuals and LoRA deltas; one PEFT adapter holds "
+            "one method: export with --format folder or mlflow, or the LoRA deltas alone with "
+            "--since <the last ATLAS release>"
+        )
     from peft import LoraConfig
     from safetensors.torch import save_file
 
     factors = lora_factors(chain)
     ranks = {m: a.shape[0] for m, (a, _) in factors.items()}
     top = max(ranks.values())
-    config = LoraConfig(r=top, lora_alpha=top, target_modules=sorted(factors), lora_dropout=0.0, bias="none",
-                        rank_pattern=ranks, alpha_pattern=ranks,  # scaling alpha / r = 1 on every module
-                        base_model_name_or_path=release.manifest["backbone"]["name"], task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=top,
+        lora_alpha=top,
+        target_modules=sorted(factors),
+        lora_dropout=0.0,
+        bias="none",
+        rank_pattern=ranks,
+        alpha_pattern=ranks,  # scaling alpha / r = 1 on every module
+        base_model_name_or_path=release.manifest["backbone"]["name"],
+        task_type="CAUSAL_LM",
+    )
     tensors = {}
     for module, (a, b) in factors.items():
         tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()  # (R, d_in)
@@ -169,14 +184,26 @@ def _provenance(release: LoadedRelease, out: Path, since: str | None = None) -> 
     """What the export was made from: the release's name, backbone reference and chain (by sha256),
     and the ancestor it applies on top of (`since`; None: the bare backbone)."""
     m = release.manifest
-    atomic_write_json(out / "atlas_release.json", {"name": m["name"], "model": m.get("model"), "backbone": m["backbone"],
-                                                   "applies_on_top_of": since,
-                                                   "chain": [{k: d.get(k) for k in ("name", "method", "adapter_sha256",
-                                                                                    "atlas_sha256")} for d in m["chain"]]})
+    atomic_write_json(
+        out / "atlas_release.json",
+        {
+            "name": m["name"],
+            "model": m.get("model"),
+            "backbone": m["backbone"],
+            "applies_on_top_of": since,
+            "chain": [{k: d.get(k) for k in ("name", "method", "adapter_sha256", "atlas_sha256")} for d in m["chain"]],
+        },
+    )
 
 
-def export(release: LoadedRelease, source: str | Path, fmt: str, out: str | Path, bundle_backbone: bool = False,
-           since: str | None = None) -> Path:
+def export(
+    release: LoadedRelease,
+    source: str | Path,
+    fmt: str,
+    out: str | Path,
+    bundle_backbone: bool = False,
+    since: str | None = None,
+) -> Path:
     if since is not None and fmt != "peft":
         raise InputError(f"--since: only --format peft exports part of a chain, not --format {fmt}")
     if fmt == "folder":
@@ -186,4 +213,3 @@ def export(release: LoadedRelease, source: str | Path, fmt: str, out: str | Path
     if fmt == "merged":
         return export_merged(release, out)
     raise InputError(f"--format: expected one of {FORMATS}, got {fmt!r}")
-

@@ -1,4 +1,5 @@
 """Calibration activations: layer-l vectors sampled from retained examples (spec section 1)."""
+
 from __future__ import annotations
 
 import math
@@ -33,13 +34,19 @@ def sample_activations(
     """
     needed = math.ceil(num_vectors / per_example)
     if len(texts) < needed:
-        raise InputError(f"texts: {num_vectors} vectors at {per_example} per example need {needed} retained examples, "
-                         f"got {len(texts)}")
-    encoded = tokenizer(list(texts[:needed]), add_special_tokens=False, truncation=True, max_length=max_length)["input_ids"]
+        raise InputError(
+            f"texts: {num_vectors} vectors at {per_example} per example need {needed} retained examples, "
+            f"got {len(texts)}"
+        )
+    encoded = tokenizer(list(texts[:needed]), add_special_tokens=False, truncation=True, max_length=max_length)[
+        "input_ids"
+    ]
     lengths = torch.tensor([len(ids) for ids in encoded])
     if (lengths < per_example).any():
         short = int((lengths < per_example).nonzero()[0])
-        raise InputError(f"texts: example {short} has {int(lengths[short])} tokens, fewer than per_example={per_example}")
+        raise InputError(
+            f"texts: example {short} has {int(lengths[short])} tokens, fewer than per_example={per_example}"
+        )
     # Random scores on real tokens, -inf beyond each text: the top `per_example` are a uniform sample.
     generator = torch.Generator().manual_seed(seed)
     scores = torch.rand(needed, int(lengths.max()), generator=generator)

@@ -3,6 +3,7 @@
 Every artifact the method writes (atlases, adapters, checkpoints) goes through here, so
 every one is written atomically (temp file, fsync, rename) and verified when read back.
 """
+
 from __future__ import annotations
 
 import hashlib

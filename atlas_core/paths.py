@@ -3,6 +3,7 @@
 State (model caches, atlases, adapters, MLflow/Prefect/ledger files, EvalPlus ground truth)
 lives in one project-local folder so that a user can inspect or delete it in one place.
 """
+
 from __future__ import annotations
 
 import os

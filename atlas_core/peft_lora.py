@@ -18,6 +18,7 @@ base weights (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA: the adapter is only valid on 
 base), layer replication, LoRA on parameters or embeddings, and any option this code does
 not know with a non-empty value (fail closed on a newer PEFT).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,10 +42,31 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 # Options applied exactly below, or without effect on the trained adapter's forward pass.
-_APPLIED = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
-            "inference_mode", "r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "target_modules",
-            "exclude_modules", "layers_to_transform", "layers_pattern", "lora_dropout", "init_lora_weights",
-            "eva_config", "runtime_config", "ensure_weight_tying", "megatron_core", "qalora_group_size"}
+_APPLIED = {
+    "task_type",
+    "peft_type",
+    "auto_mapping",
+    "peft_version",
+    "base_model_name_or_path",
+    "revision",
+    "inference_mode",
+    "r",
+    "lora_alpha",
+    "rank_pattern",
+    "alpha_pattern",
+    "use_rslora",
+    "target_modules",
+    "exclude_modules",
+    "layers_to_transform",
+    "layers_pattern",
+    "lora_dropout",
+    "init_lora_weights",
+    "eva_config",
+    "runtime_config",
+    "ensure_weight_tying",
+    "megatron_core",
+    "qalora_group_size",
+}
 # Initialisations that subtract the initial adapter from the base weights: the saved adapter is
 # valid only on that rewritten base (PEFT converts them with path_initial_model_for_weight_conversion).
 _REWRITES_BASE = ("pissa", "olora", "corda", "loftq", "lora_ga")
@@ -60,8 +82,10 @@ def refused_option(config: dict) -> str | None:
         return f"peft_type {config.get('peft_type')!r}: only LoRA adapters can be submitted"
     init = config.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_REWRITES_BASE):
-        return (f"init_lora_weights={init!r} rewrites the base weights, so the adapter is not valid on the line's "
-                "backbone; save it converted (save_pretrained(path_initial_model_for_weight_conversion=...))")
+        return (
+            f"init_lora_weights={init!r} rewrites the base weights, so the adapter is not valid on the line's "
+            "backbone; save it converted (save_pretrained(path_initial_model_for_weight_conversion=...))"
+        )
     for name in ("loftq_config", "corda_config", "lora_ga_config"):
         if not _is_empty(config.get(name)):
             return f"{name} is set: that initialisation rewrites the base weights"
@@ -75,8 +99,9 @@ def _module_of(key: str) -> tuple[str, str]:
     """'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' -> ('model.layers.0.self_attn.q_proj', 'A')."""
     match = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
     if match is None:
-        raise InputError(f"tensor {key!r} is no LoRA factor (lora_A / lora_B of a Linear); "
-                         "the chain cannot apply it exactly")
+        raise InputError(
+            f"tensor {key!r} is no LoRA factor (lora_A / lora_B of a Linear); the chain cannot apply it exactly"
+        )
     return match.group(1), match.group(2)
 
 
@@ -113,10 +138,22 @@ class LoraSet:
         for lora in self.loras:
             tensors[f"{lora.module_name}.lora_A"] = lora.lora_A  # (r, d_in)
             tensors[f"{lora.module_name}.lora_B"] = lora.lora_B  # (d_out, r)
-        modules = {lora.module_name: {"scaling": lora.scaling, "rank": int(lora.lora_A.shape[0]), "layer": lora.layer}
-                   for lora in self.loras}
-        return save_verified(path, tensors, {**(meta or {}), "kind": KIND, "format": FORMAT, "modules": modules,
-                                             "layer": self.layer, "source": self.source})
+        modules = {
+            lora.module_name: {"scaling": lora.scaling, "rank": int(lora.lora_A.shape[0]), "layer": lora.layer}
+            for lora in self.loras
+        }
+        return save_verified(
+            path,
+            tensors,
+            {
+                **(meta or {}),
+                "kind": KIND,
+                "format": FORMAT,
+                "modules": modules,
+                "layer": self.layer,
+                "source": self.source,
+            },
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> "LoraSet":
@@ -126,8 +163,9 @@ class LoraSet:
             for module, info in sorted(manifest["modules"].items()):
                 a, b = tensors[f"{module}.lora_A"], tensors[f"{module}.lora_B"]
                 if a.ndim != 2 or b.ndim != 2 or a.shape[0] != info["rank"] or b.shape[1] != info["rank"]:
-                    raise IntegrityError(f"{path}: {module}: factors {tuple(a.shape)}, {tuple(b.shape)} "
-                                         f"do not have rank {info['rank']}")
+                    raise IntegrityError(
+                        f"{path}: {module}: factors {tuple(a.shape)}, {tuple(b.shape)} do not have rank {info['rank']}"
+                    )
                 loras.append(FrozenLoRA(module, a, b, info["scaling"], info["layer"]))
         except (KeyError, TypeError) as e:
             raise IntegrityError(f"{path}: manifest or tensors incomplete ({type(e).__name__}: {e})") from e
@@ -139,8 +177,10 @@ class LoraSet:
 def read_peft_config(folder: Path) -> dict:
     path = folder / CONFIG_FILE
     if not path.is_file():
-        raise InputError(f"{path}: missing; a PEFT adapter folder holds {CONFIG_FILE} and "
-                         f"{WEIGHTS_FILES[0]} (model.save_pretrained(DIR))")
+        raise InputError(
+            f"{path}: missing; a PEFT adapter folder holds {CONFIG_FILE} and "
+            f"{WEIGHTS_FILES[0]} (model.save_pretrained(DIR))"
+        )
     try:
         config = json.loads(path.read_text())
     except ValueError as e:
@@ -157,8 +197,10 @@ def _weights(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     path = folder / WEIGHTS_FILES[0]
     if not path.is_file():
         if (folder / WEIGHTS_FILES[1]).is_file():
-            raise InputError(f"{folder / WEIGHTS_FILES[1]}: pickled weights are not loaded (they can run code); "
-                             "save with safe_serialization=True")
+            raise InputError(
+                f"{folder / WEIGHTS_FILES[1]}: pickled weights are not loaded (they can run code); "
+                "save with safe_serialization=True"
+            )
         raise InputError(f"{path}: missing; the adapter's weights are expected there")
     try:
         return path, load_file(str(path))
@@ -192,15 +234,23 @@ def from_peft_folder(folder: str | Path, model: nn.Module) -> LoraSet:
         r = rank_pattern.get(get_pattern_key(rank_pattern.keys(), module), config.get("r"))
         alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module), config.get("lora_alpha"))
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != r or b.shape[1] != r:
-            raise InputError(f"{path}: {module}: factors {tuple(a.shape)} and {tuple(b.shape)} do not have "
-                             f"the rank {r} that adapter_config.json gives it")
+            raise InputError(
+                f"{path}: {module}: factors {tuple(a.shape)} and {tuple(b.shape)} do not have "
+                f"the rank {r} that adapter_config.json gives it"
+            )
         try:
             hooked_linear(model, module, (b.shape[0], a.shape[1]), "adapter")
         except ValueError as e:
             raise InputError(f"{path}: {e} (the line's backbone)") from None
-        scaling = alpha / (r ** 0.5 if config.get("use_rslora") else r)
+        scaling = alpha / (r**0.5 if config.get("use_rslora") else r)
         loras.append(FrozenLoRA(module, a, b, scaling, module_layer(model, module)))
-    source = {"format": "peft", "weights_sha256": sha256_file(path), "config_sha256": sha256_file(folder / CONFIG_FILE),
-              "base_model_name_or_path": config.get("base_model_name_or_path"), "revision": config.get("revision"),
-              "peft_version": config.get("peft_version"), "use_rslora": bool(config.get("use_rslora"))}
+    source = {
+        "format": "peft",
+        "weights_sha256": sha256_file(path),
+        "config_sha256": sha256_file(folder / CONFIG_FILE),
+        "base_model_name_or_path": config.get("base_model_name_or_path"),
+        "revision": config.get("revision"),
+        "peft_version": config.get("peft_version"),
+        "use_rslora": bool(config.get("use_rslora")),
+    }
     return LoraSet(loras, source)

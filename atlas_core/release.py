@@ -32,6 +32,7 @@ with a manifest.json is complete, and a crash between the two leaves a pair that
 Each refusal is an IntegrityError naming the file and the sha256 it was expected to have. The
 chain is then attached to the model with hooks that stay until `LoadedRelease.detach()`.
 """
+
 from __future__ import annotations
 
 import json
@@ -109,15 +110,18 @@ def manifest_sha256(folder: str | Path) -> str:
         raise IntegrityError(f"{path}: cannot be read ({e.strerror}); is {folder} a release folder?") from e
 
 
-def check_manifest(folder: str | Path, expected: str, recorded_by: str,
-                   remedy: str = "export the release again") -> None:
+def check_manifest(
+    folder: str | Path, expected: str, recorded_by: str, remedy: str = "export the release again"
+) -> None:
     """Refuse the folder's manifest.json unless its bytes have the sha256 that `recorded_by` (the
     ledger, an MLflow tag, the sidecar) expects: any edit of it makes the folder another model."""
     actual = manifest_sha256(folder)
     if actual != expected:
-        raise IntegrityError(f"{Path(folder) / MANIFEST}: {recorded_by} expects sha256 {expected}, the file has "
-                             f"{actual}: the manifest was edited after the release was written (another chain "
-                             f"or backbone is another model); {remedy}")
+        raise IntegrityError(
+            f"{Path(folder) / MANIFEST}: {recorded_by} expects sha256 {expected}, the file has "
+            f"{actual}: the manifest was edited after the release was written (another chain "
+            f"or backbone is another model); {remedy}"
+        )
 
 
 def check_sidecar(folder: str | Path, required: bool = True) -> None:
@@ -128,9 +132,11 @@ def check_sidecar(folder: str | Path, required: bool = True) -> None:
     if not path.exists():
         if not required:
             return
-        raise IntegrityError(f"{path}: missing, so nothing shows that {MANIFEST} (sha256 {digest}) is the one "
-                             f"the release was written with; {folder} predates manifest sidecars: export it again "
-                             "(`atlas export VERSION --format folder`), or load it with require_sidecar=False")
+        raise IntegrityError(
+            f"{path}: missing, so nothing shows that {MANIFEST} (sha256 {digest}) is the one "
+            f"the release was written with; {folder} predates manifest sidecars: export it again "
+            "(`atlas export VERSION --format folder`), or load it with require_sidecar=False"
+        )
     try:
         fields = path.read_text().split()
     except (OSError, UnicodeDecodeError) as e:
@@ -151,8 +157,10 @@ def read_manifest(folder: str | Path) -> dict:
         raise IntegrityError(f"{path}: not valid JSON ({e})") from e
     for key in ("name", "backbone", "chain"):
         if key not in manifest:
-            raise IntegrityError(f"{path}: field {key!r} missing (a folder written before release format "
-                                 f"{RELEASE_FORMAT}; export it again with `atlas export`)")
+            raise IntegrityError(
+                f"{path}: field {key!r} missing (a folder written before release format "
+                f"{RELEASE_FORMAT}; export it again with `atlas export`)"
+            )
     return manifest
 
 
@@ -188,9 +196,14 @@ def load_chain(folder: str | Path, require_sidecar: bool = True) -> tuple[dict, 
     return manifest, Chain(deltas)
 
 
-def load_folder(folder: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
-                backbone_loader: Callable[[str, str | torch.dtype], Backbone] | None = None,
-                verify_backbone: bool = True, require_sidecar: bool = True) -> LoadedRelease:
+def load_folder(
+    folder: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device | None = None,
+    backbone_loader: Callable[[str, str | torch.dtype], Backbone] | None = None,
+    verify_backbone: bool = True,
+    require_sidecar: bool = True,
+) -> LoadedRelease:
     """The release in `folder` as a ready model + tokenizer (eval mode, frozen, chain attached).
 
     The backbone comes from `folder/backbone` when bundled, else from `backbone_loader(name, dtype)`
@@ -206,20 +219,25 @@ def load_folder(folder: str | Path, dtype: str | torch.dtype = "auto", device: s
     # A bundle saved from a model built in-process has files of its own, recorded at export.
     expected = (ref.get("bundle_weights_sha256") if bundled.is_dir() else None) or ref.get("weights_sha256")
     if verify_backbone and not expected:
-        raise IntegrityError(f"{folder / MANIFEST}: names no weights_sha256 for backbone {ref['name']!r}"
-                             + (" (nor bundle_weights_sha256 for backbone/)" if bundled.is_dir() else "")
-                             + ", so its weights cannot be verified; pass verify_backbone=False to load it anyway")
+        raise IntegrityError(
+            f"{folder / MANIFEST}: names no weights_sha256 for backbone {ref['name']!r}"
+            + (" (nor bundle_weights_sha256 for backbone/)" if bundled.is_dir() else "")
+            + ", so its weights cannot be verified; pass verify_backbone=False to load it anyway"
+        )
     if bundled.is_dir():
         bb = load_backbone(str(bundled), dtype, revision=ref.get("revision"))
         bb.name, bb.revision = ref["name"], ref.get("revision")
     else:
         bb = (backbone_loader or load_backbone)(ref["name"], dtype)
         if ref.get("revision") and bb.revision != ref["revision"]:
-            raise IntegrityError(f"{folder / MANIFEST}: backbone {ref['name']!r} is at revision {bb.revision}, "
-                                 f"the release was trained on {ref['revision']}")
+            raise IntegrityError(
+                f"{folder / MANIFEST}: backbone {ref['name']!r} is at revision {bb.revision}, "
+                f"the release was trained on {ref['revision']}"
+            )
     if verify_backbone and weights_sha256(bb.model) != expected:
-        raise IntegrityError(f"{folder / MANIFEST}: backbone {ref['name']!r} weights do not match "
-                             f"weights_sha256 {expected}")
+        raise IntegrityError(
+            f"{folder / MANIFEST}: backbone {ref['name']!r} weights do not match weights_sha256 {expected}"
+        )
     if device is not None:
         bb.model.to(device)
     release = LoadedRelease(bb.model, bb.tokenizer, manifest, chain, bb)

@@ -7,6 +7,7 @@ rather than a silently ignored field. A number must be finite (`nan`, `.inf`, 'i
 `train.lr: expected a finite number, got nan`) and an integer must fit in 64 bits (every count and
 seed reaches torch, numpy or the ledger as one).
 """
+
 from __future__ import annotations
 
 import dataclasses

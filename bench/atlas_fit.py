@@ -3,6 +3,7 @@ straightforward scikit-learn KMeans + per-chart PCA, same clustered synthetic da
 
     .venv/bin/python bench/atlas_fit.py [--n 4096 --d 4096 --k 32 --m 16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from atlas_core.atlas import AtlasConfig, fit_atlas  # noqa: E402
-from bench.common import machine  # noqa: E402
+from atlas_core.atlas import AtlasConfig, fit_atlas
+from bench.common import machine
 
 
 def clustered(n: int, d: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -25,7 +26,9 @@ def clustered(n: int, d: int, k: int, seed: int = 0) -> torch.Tensor:
     labels = torch.randint(k, (n,), generator=g)
     directions = torch.randn(k, 32, d, generator=g) / d**0.5
     coeff = torch.randn(n, 32, generator=g) * torch.linspace(8, 1, 32)
-    return centers[labels] + torch.einsum("nj,njd->nd", coeff, directions[labels]) + 0.3 * torch.randn(n, d, generator=g)
+    return (
+        centers[labels] + torch.einsum("nj,njd->nd", coeff, directions[labels]) + 0.3 * torch.randn(n, d, generator=g)
+    )
 
 
 def sklearn_fit(x: np.ndarray, k: int, m: int, seed: int) -> float:
@@ -64,8 +67,10 @@ def main() -> None:
     print(f"atlas fit N={args.n} d={args.d} K={args.k} m={args.m} (best of {args.repeat})")
     print(f"  ours (torch GEMM k-means + Gram PCA): {t_ours:7.2f} s   inertia {inertia:.4e}")
     print(f"  scikit-learn KMeans + per-chart PCA: {t_base:7.2f} s   inertia {base_inertia:.4e}")
-    print(f"  speed-up {t_base / t_ours:.1f}x   inertia ours/sklearn {inertia / base_inertia:.4f} "
-          f"({(inertia / base_inertia - 1) * 100:+.2f}%)")
+    print(
+        f"  speed-up {t_base / t_ours:.1f}x   inertia ours/sklearn {inertia / base_inertia:.4f} "
+        f"({(inertia / base_inertia - 1) * 100:+.2f}%)"
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Shared bits of the benchmark scripts: timing and a description of the machine."""
+
 from __future__ import annotations
 
 import ctypes
@@ -28,6 +29,7 @@ def peak_rss_added(fn: Callable[[], object]) -> tuple[object, float]:
     freed heap memory is first returned to the system (malloc_trim), so what an earlier call left
     in the allocator is not counted as free room; writing 5 to /proc/self/clear_refs then resets
     the peak (VmHWM) to the current size."""
+
     def status_kib(field: str) -> int:
         with open("/proc/self/status") as f:
             return int(next(line.split()[1] for line in f if line.startswith(field)))
@@ -49,5 +51,7 @@ def machine() -> str:
         pass
     from atlas_core.backbone import native_bf16
 
-    return (f"{cpu}, {os.cpu_count()} cores, native bf16 {'yes' if native_bf16() else 'no'}, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), Python {platform.python_version()}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, native bf16 {'yes' if native_bf16() else 'no'}, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), Python {platform.python_version()}"
+    )

@@ -10,6 +10,7 @@ as the read rate of a 1 GiB tensor summed on all threads.
 
     .venv/bin/python bench/decoding.py [--new-tokens 64 --dtype auto --repeat 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,13 +24,13 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from atlas_core.atlas import AtlasConfig, fit_atlas  # noqa: E402
-from atlas_core.backbone import load_backbone  # noqa: E402
-from atlas_core.extract import sample_activations  # noqa: E402
-from atlas_core.residual import ResidualConfig, attach, build_residual  # noqa: E402
-from bench.common import machine  # noqa: E402
-from evaluation.contexts import retained_contexts  # noqa: E402
-from evaluation.generate import _greedy_batch, _Stops  # noqa: E402
+from atlas_core.atlas import AtlasConfig, fit_atlas
+from atlas_core.backbone import load_backbone
+from atlas_core.extract import sample_activations
+from atlas_core.residual import ResidualConfig, attach, build_residual
+from bench.common import machine
+from evaluation.contexts import retained_contexts
+from evaluation.generate import _greedy_batch, _Stops
 
 BATCHES = (1, 8, 32)
 
@@ -67,8 +68,13 @@ def main() -> None:
     never = _Stops(tok, [], (), None)  # every row decodes the full budget
 
     def hf(enc) -> None:
-        model.generate(**enc, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
-                       pad_token_id=tok.pad_token_id)
+        model.generate(
+            **enc,
+            max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
 
     def ours(enc) -> None:
         _greedy_batch(model, enc["input_ids"], enc["attention_mask"], args.new_tokens, never)
@@ -80,11 +86,15 @@ def main() -> None:
     bandwidth = read_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"machine: {machine()}")
-    print(f"{bb.name} ({bb.dtype}, {weight_bytes / 1e6:.0f} MB of weights); read bandwidth {bandwidth / 1e9:.1f} GB/s; "
-          f"full ATLAS residual at layer {args.layer} (K=32, m=16, r=16); {args.new_tokens} new tokens a row, "
-          f"best of {args.repeat}, interleaved")
-    print(f"{'batch':>5} {'bound tok/s':>11} {'generate':>9} {'ours':>7} {'ours/generate':>13} {'ours % of bound':>15} "
-          f"{'adapted':>8} {'overhead':>8}")
+    print(
+        f"{bb.name} ({bb.dtype}, {weight_bytes / 1e6:.0f} MB of weights); read bandwidth {bandwidth / 1e9:.1f} GB/s; "
+        f"full ATLAS residual at layer {args.layer} (K=32, m=16, r=16); {args.new_tokens} new tokens a row, "
+        f"best of {args.repeat}, interleaved"
+    )
+    print(
+        f"{'batch':>5} {'bound tok/s':>11} {'generate':>9} {'ours':>7} {'ours/generate':>13} {'ours % of bound':>15} "
+        f"{'adapted':>8} {'overhead':>8}"
+    )
     with torch.no_grad():
         for batch in BATCHES:
             enc = tok(prompts[:batch], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -94,8 +104,10 @@ def main() -> None:
                     times[fn].append(_timed(lambda: fn(enc)))
             rate = {fn: batch * args.new_tokens / min(t) for fn, t in times.items()}
             bound = batch * bandwidth / weight_bytes
-            print(f"{batch:5d} {bound:11.1f} {rate[hf]:9.1f} {rate[ours]:7.1f} {rate[ours] / rate[hf]:12.2f}x "
-                  f"{rate[ours] / bound:15.0%} {rate[adapted]:8.1f} {rate[ours] / rate[adapted] - 1:8.1%}")
+            print(
+                f"{batch:5d} {bound:11.1f} {rate[hf]:9.1f} {rate[ours]:7.1f} {rate[ours] / rate[hf]:12.2f}x "
+                f"{rate[ours] / bound:15.0%} {rate[adapted]:8.1f} {rate[ours] / rate[adapted] - 1:8.1%}"
+            )
 
 
 if __name__ == "__main__":

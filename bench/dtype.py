@@ -7,6 +7,7 @@ native bf16 matmuls (bf16 GPUs, AVX512-BF16 / AMX CPUs). On an AVX2-only CPU PyT
 back to a reference kernel, and `dtype: auto` (atlas_core.backbone.resolve_dtype) picks fp32.
 This prints both timings side by side and what `auto` resolved to.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,9 +19,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from atlas_core.backbone import load_backbone, resolve_dtype  # noqa: E402
-from bench.common import machine, timeit  # noqa: E402
-from evaluation.contexts import retained_contexts  # noqa: E402
+from atlas_core.backbone import load_backbone, resolve_dtype
+from bench.common import machine, timeit
+from evaluation.contexts import retained_contexts
 
 
 def main() -> None:
@@ -30,7 +31,11 @@ def main() -> None:
     args = parser.parse_args()
 
     # SmolLM2-135M's projections at 2,048 tokens: attention q/o, MLP up, LM head.
-    shapes = {"d x d (576 x 576)": (576, 576), "d x 4d-ish (576 x 1536)": (1536, 576), "LM head (576 x 49152)": (49152, 576)}
+    shapes = {
+        "d x d (576 x 576)": (576, 576),
+        "d x 4d-ish (576 x 1536)": (1536, 576),
+        "LM head (576 x 49152)": (49152, 576),
+    }
     rows = []
     for name, (out_f, in_f) in shapes.items():
         t = {}

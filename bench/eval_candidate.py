@@ -9,12 +9,14 @@ retained KL on 128 GSM8K + 128 CSQA contexts against the base and the champion.
     current   evaluation.generate (ended rows leave the batch; a windowed stop check; a KV cache
               written in place) with the main job's batches (MBPP+ 32, GSM8K 16); RetainedKL.kl_many
               (one candidate pass for all references, the LM head on real positions in chunks)
-CSQA choice: previous full forwards (the head fed a strided slice); current the layers above the prefix from the base's stored
-layer-l states (computed once per line and prompt set, like the KL's prefix: timed apart). Candidates: the main job's v1 (its champion then
-was the base) and v2 (champion v1), and the base's answers; run `bash scripts/main.sh` first, ATLAS_STATE_DIR as there.
+CSQA choice: previous full forwards (the head fed a strided slice); current the layers above the prefix from the
+base's stored layer-l states (computed once per line and prompt set, like the KL's prefix: timed apart). Candidates:
+the main job's v1 (its champion then was the base) and v2 (champion v1), and the base's answers; run
+`bash scripts/main.sh` first, ATLAS_STATE_DIR as there.
 
     .venv/bin/python bench/eval_candidate.py [--contexts 128] [--dtype auto] [--answers-only]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,20 +31,20 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList  # noqa: E402
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from atlas_core.backbone import head_logits  # noqa: E402
-from bench.common import machine  # noqa: E402
-from evaluation.answers import ANSWER_GIVEN, extract_gsm8k_answer  # noqa: E402
-from evaluation.data import load_gsm8k, load_mbpp_plus  # noqa: E402
-from evaluation.domains import domain_contexts  # noqa: E402
-from evaluation.evalplus_score import score_mbpp_plus  # noqa: E402
-from evaluation.generate import _eos_ids, extract_code, generate, truncate_after, truncate_at_stop  # noqa: E402
-from evaluation.kl import RetainedKL, kl_per_position  # noqa: E402
-from evaluation.prompts import code_message, math_message, render  # noqa: E402
-from evaluation.choice import ChoiceSet, label_token_ids  # noqa: E402
-from evaluation.tasks import csqa_choice_prompts  # noqa: E402
-from flows import load_release  # noqa: E402
+from atlas_core.backbone import head_logits
+from bench.common import machine
+from evaluation.answers import ANSWER_GIVEN, extract_gsm8k_answer
+from evaluation.choice import ChoiceSet, label_token_ids
+from evaluation.data import load_gsm8k, load_mbpp_plus
+from evaluation.domains import domain_contexts
+from evaluation.evalplus_score import score_mbpp_plus
+from evaluation.generate import _eos_ids, extract_code, generate, truncate_after, truncate_at_stop
+from evaluation.kl import RetainedKL, kl_per_position
+from evaluation.prompts import code_message, math_message, render
+from evaluation.tasks import csqa_choice_prompts
+from flows import load_release
 
 LINE = "smollm2-135m.assistant"
 CODE_STOP, MATH_STOP = ("\n```\n",), ("\nQuestion:",)
@@ -55,7 +57,7 @@ class _StopAfter(StoppingCriteria):
         self.tokenizer, self.pattern, self.width = tokenizer, pattern, width
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        texts = self.tokenizer.batch_decode(input_ids[:, self.width:], skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(input_ids[:, self.width :], skip_special_tokens=True)
         return torch.tensor([self.pattern.search(t) is not None for t in texts], device=input_ids.device)
 
 
@@ -63,19 +65,26 @@ class _StopAfter(StoppingCriteria):
 def previous_generate(model, tokenizer, prompts, max_new_tokens, batch_size=8, stop=(), stop_after=None):
     """The implementation before evaluation.generate's own loop, kept as the baseline."""
     eos = _eos_ids(model, tokenizer)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=eos,
-                              pad_token_id=tokenizer.pad_token_id, stop_strings=list(stop) or None)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        stop_strings=list(stop) or None,
+    )
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
     outputs = [""] * len(prompts)
     saved, tokenizer.padding_side = tokenizer.padding_side, "left"
     try:
         for start in range(0, len(order), batch_size):
-            idx = order[start:start + batch_size]
+            idx = order[start : start + batch_size]
             enc = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False)
             width = enc["input_ids"].shape[1]
             criteria = StoppingCriteriaList([_StopAfter(tokenizer, stop_after, width)] if stop_after else [])
-            out = model.generate(**enc, generation_config=config, tokenizer=tokenizer if stop else None,
-                                 stopping_criteria=criteria)
+            out = model.generate(
+                **enc, generation_config=config, tokenizer=tokenizer if stop else None, stopping_criteria=criteria
+            )
             for i, text in zip(idx, tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)):
                 outputs[i] = truncate_after(truncate_at_stop(text, stop), stop_after)
     finally:
@@ -93,7 +102,7 @@ def previous_choose(model, tokenizer, prompts, batch_size=8) -> list[str]:
     saved, tokenizer.padding_side = tokenizer.padding_side, "left"
     try:
         for start in range(0, len(order), batch_size):
-            idx = order[start:start + batch_size]
+            idx = order[start : start + batch_size]
             enc = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False)
             positions = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
             logits = model(**enc, position_ids=positions, logits_to_keep=1).logits[:, -1, :].float()
@@ -119,8 +128,11 @@ def answers(model, tokenizer, fast: bool) -> tuple[dict, dict]:
     problems, math = load_mbpp_plus("test").select(range(32)), load_gsm8k("test").select(range(16))
     code_prompts = [render(tokenizer, code_message(p["text"], p["first_test"]), "code") for p in problems]
     math_prompts = [render(tokenizer, math_message(q), "math") for q in math["question"]]
-    run = (lambda p, n, b, **kw: generate(model, tokenizer, p, n, b, progress=False, **kw)) if fast else \
-        (lambda p, n, b, **kw: previous_generate(model, tokenizer, p, n, 8, **kw))
+    run = (
+        (lambda p, n, b, **kw: generate(model, tokenizer, p, n, b, progress=False, **kw))
+        if fast
+        else (lambda p, n, b, **kw: previous_generate(model, tokenizer, p, n, 8, **kw))
+    )
     got, seconds = {}, {}
     start = time.perf_counter()
     code = run(code_prompts, 256, 32, stop=CODE_STOP)
@@ -148,8 +160,14 @@ def retained_kl(model, tokenizer, candidate, refs, contexts: int, layer: int) ->
     """{(domain, previous|current): seconds} and the largest relative KL difference."""
     seconds, diff = {}, 0.0
     for domain in ("gsm8k", "csqa"):
-        kl = RetainedKL(model, tokenizer, domain_contexts(tokenizer, domain, "gate", contexts)[1], layer,
-                        max_length=1024, progress=False)
+        kl = RetainedKL(
+            model,
+            tokenizer,
+            domain_contexts(tokenizer, domain, "gate", contexts)[1],
+            layer,
+            max_length=1024,
+            progress=False,
+        )
         kl.prefix()
         ref_states = references(kl, model, refs)
         with candidate.attached(model):
@@ -201,7 +219,10 @@ def main() -> None:
             kl_s, kl_diff = retained_kl(model, tokenizer, candidate, refs, args.contexts, layer)
             for domain in ("gsm8k", "csqa"):
                 p, c = kl_s[domain, "previous"], kl_s[domain, "current"]
-                print(f"| retained KL {domain} ({args.contexts} contexts, 2 references) | {p:.1f} | {c:.1f} | {p / c:.2f}x |")
+                print(
+                    f"| retained KL {domain} ({args.contexts} contexts, 2 references) "
+                    f"| {p:.1f} | {c:.1f} | {p / c:.2f}x |"
+                )
                 total_old, total_new = total_old + p, total_new + c
             p, c = t_choice
             print(f"| CSQA choice 128 | {p:.1f} | {c:.1f} | {p / c:.2f}x |")

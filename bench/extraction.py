@@ -3,6 +3,7 @@ default backbone, the same batch of GSM8K contexts.
 
     .venv/bin/python bench/extraction.py [--layer 15 --batch 16 --dtype auto]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,9 +15,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from atlas_core.backbone import hidden_at_layer, load_backbone  # noqa: E402
-from bench.common import machine, timeit  # noqa: E402
-from evaluation.contexts import retained_contexts  # noqa: E402
+from atlas_core.backbone import hidden_at_layer, load_backbone
+from bench.common import machine, timeit
+from evaluation.contexts import retained_contexts
 
 
 def main() -> None:
@@ -36,10 +37,15 @@ def main() -> None:
         t_stop = timeit(lambda: hidden_at_layer(bb.model, args.layer, ids, mask), repeat=args.repeat)
     ideal = (args.layer + 1) / bb.num_layers
     print(f"machine: {machine()}")
-    print(f"{bb.name} ({bb.dtype}), batch {tuple(ids.shape)}, layer {args.layer} of {bb.num_layers}, median of {args.repeat}")
+    print(
+        f"{bb.name} ({bb.dtype}), batch {tuple(ids.shape)}, layer {args.layer} of {bb.num_layers}, "
+        f"median of {args.repeat}"
+    )
     print(f"  full forward (all layers + LM head): {t_full:.3f} s")
     print(f"  stop after layer {args.layer}:            {t_stop:.3f} s")
-    print(f"  ratio stop/full {t_stop / t_full:.3f} (layers run: (l+1)/L = {ideal:.3f}); speed-up {t_full / t_stop:.2f}x")
+    print(
+        f"  ratio stop/full {t_stop / t_full:.3f} (layers run: (l+1)/L = {ideal:.3f}); speed-up {t_full / t_stop:.2f}x"
+    )
 
 
 if __name__ == "__main__":

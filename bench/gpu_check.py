@@ -12,6 +12,7 @@ It measures
 - greedy decoding tokens/s of a randomly initialised ~1.2B-parameter Llama (bf16) with and
   without a residual attached at its middle layer, batch 1 and 8, best of 3, interleaved.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,18 +24,58 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from atlas_core.atlas import AtlasConfig, fit_atlas  # noqa: E402
-from atlas_core.residual import AtlasResidual, ResidualConfig, attach  # noqa: E402
-from bench.atlas_fit import clustered  # noqa: E402
-from bench.residual_operator import random_atlas  # noqa: E402
+from atlas_core.atlas import AtlasConfig, fit_atlas
+from atlas_core.residual import AtlasResidual, ResidualConfig, attach
+from bench.atlas_fit import clustered
+from bench.residual_operator import random_atlas
 
 # Full sizes (the paper's settings) and the --smoke sizes that run in seconds on a CPU.
-FULL = dict(d=4096, k=32, n=4, m=16, r=16, tokens=8192, op_repeat=20, fit_n=4096, fit_d=4096, fit_repeat=2,
-            llama=dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
-                       num_key_value_heads=32, vocab_size=32000), prompt=32, new_tokens=128, gen_repeat=3)
-SMOKE = dict(d=64, k=8, n=2, m=4, r=4, tokens=256, op_repeat=3, fit_n=256, fit_d=64, fit_repeat=1,
-             llama=dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-                        num_key_value_heads=4, vocab_size=97), prompt=8, new_tokens=8, gen_repeat=1)
+FULL = dict(
+    d=4096,
+    k=32,
+    n=4,
+    m=16,
+    r=16,
+    tokens=8192,
+    op_repeat=20,
+    fit_n=4096,
+    fit_d=4096,
+    fit_repeat=2,
+    llama=dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        intermediate_size=8192,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+    ),
+    prompt=32,
+    new_tokens=128,
+    gen_repeat=3,
+)
+SMOKE = dict(
+    d=64,
+    k=8,
+    n=2,
+    m=4,
+    r=4,
+    tokens=256,
+    op_repeat=3,
+    fit_n=256,
+    fit_d=64,
+    fit_repeat=1,
+    llama=dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=97,
+    ),
+    prompt=8,
+    new_tokens=8,
+    gen_repeat=1,
+)
 PAPER = {"operator": "10.4-11.1 us/tok", "fit": "38.5 s", "decoding": "+2.5-3.1%"}
 
 
@@ -97,8 +138,15 @@ def residual_operator(s: dict, device: torch.device) -> list[tuple]:
             us = 1e6 / s["tokens"]
             name = str(dtype).split(".")[-1]
             progress(f"  {name}: residual {t_res * us:.3f} us/tok, matmul {t_mm * us:.3f} us/tok")
-            rows.append((f"residual operator {name}", f"{t_res * us:.3f} us/tok", f"{t_mm * us:.3f} us/tok",
-                         f"{t_res / t_mm:.1%}", PAPER["operator"] if dtype == torch.bfloat16 else ""))
+            rows.append(
+                (
+                    f"residual operator {name}",
+                    f"{t_res * us:.3f} us/tok",
+                    f"{t_mm * us:.3f} us/tok",
+                    f"{t_res / t_mm:.1%}",
+                    PAPER["operator"] if dtype == torch.bfloat16 else "",
+                )
+            )
     return rows
 
 
@@ -131,15 +179,23 @@ def decoding(s: dict, device: torch.device) -> list[tuple]:
     layer = cfg["num_hidden_layers"] // 2
     progress(f"decoding: random Llama, {params / 1e9:.2f}B parameters, residual at layer {layer}")
     atlas = random_atlas(cfg["hidden_size"], s["k"], s["m"])
-    residual = AtlasResidual(ResidualConfig(variant="atlas", layer=layer, rank=s["r"], top_n=s["n"]),
-                             cfg["hidden_size"], atlas)
+    residual = AtlasResidual(
+        ResidualConfig(variant="atlas", layer=layer, rank=s["r"], top_n=s["n"]), cfg["hidden_size"], atlas
+    )
     torch.nn.init.normal_(residual.B, std=0.01)
     g = torch.Generator().manual_seed(2)
 
     def tokens_per_s(ids: torch.Tensor) -> float:
         def run():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=s["new_tokens"],
-                           min_new_tokens=s["new_tokens"], do_sample=False, pad_token_id=0)
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=s["new_tokens"],
+                min_new_tokens=s["new_tokens"],
+                do_sample=False,
+                pad_token_id=0,
+            )
+
         return ids.shape[0] * s["new_tokens"] / wall_seconds(run, device)
 
     rows = []
@@ -152,18 +208,21 @@ def decoding(s: dict, device: torch.device) -> list[tuple]:
                 base.append(tokens_per_s(ids))
                 with attach(model, residual):
                     adapted.append(tokens_per_s(ids))
-                progress(f"  batch {batch}, round {i + 1}/{s['gen_repeat']}: base {base[-1]:.1f}, "
-                         f"adapted {adapted[-1]:.1f} tok/s")
+                progress(
+                    f"  batch {batch}, round {i + 1}/{s['gen_repeat']}: base {base[-1]:.1f}, "
+                    f"adapted {adapted[-1]:.1f} tok/s"
+                )
             b, a = max(base), max(adapted)
-            rows.append((f"decoding batch {batch}", f"{a:.1f} tok/s", f"{b:.1f} tok/s", f"{b / a - 1:+.1%}",
-                         PAPER["decoding"]))
+            rows.append(
+                (f"decoding batch {batch}", f"{a:.1f} tok/s", f"{b:.1f} tok/s", f"{b / a - 1:+.1%}", PAPER["decoding"])
+            )
     return rows
 
 
 def table(rows: list[tuple]) -> str:
     header = ("measurement", "ours", "baseline", "ratio", "paper")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
@@ -171,14 +230,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (runs on the CPU in seconds; not a benchmark)")
     parser.add_argument("--device", default=None, help="cuda (default), or cpu with --smoke")
-    parser.add_argument("--only", nargs="+", choices=["operator", "fit", "decoding"],
-                        default=["operator", "fit", "decoding"], help="run only these measurements")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=["operator", "fit", "decoding"],
+        default=["operator", "fit", "decoding"],
+        help="run only these measurements",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
     if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"gpu_check: CUDA was requested (device {device}) but torch.cuda.is_available() is False "
-              f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}). Run it on a machine with a CUDA "
-              "device, or pass --smoke to check the script on the CPU.", file=sys.stderr)
+        print(
+            f"gpu_check: CUDA was requested (device {device}) but torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}). Run it on a machine with a CUDA "
+            "device, or pass --smoke to check the script on the CPU.",
+            file=sys.stderr,
+        )
         return 2
     sizes = SMOKE if args.smoke else FULL
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
@@ -189,9 +256,11 @@ def main(argv: list[str] | None = None) -> int:
             rows += fn(sizes, device)
     kind = "SMOKE RUN (tiny sizes, not a benchmark)" if args.smoke else "benchmark"
     print(f"\ngpu_check {kind} on {where}, torch {torch.__version__}, {time.perf_counter() - started:.0f} s in all")
-    print(f"operator: median of {sizes['op_repeat']} (CUDA events on a GPU); fit: best of {sizes['fit_repeat']}; "
-          f"decoding: greedy, {sizes['new_tokens']} new tokens after {sizes['prompt']}, best of {sizes['gen_repeat']}; "
-          "ratio = ours / baseline, decoding: base / adapted - 1")
+    print(
+        f"operator: median of {sizes['op_repeat']} (CUDA events on a GPU); fit: best of {sizes['fit_repeat']}; "
+        f"decoding: greedy, {sizes['new_tokens']} new tokens after {sizes['prompt']}, best of {sizes['gen_repeat']}; "
+        "ratio = ours / baseline, decoding: base / adapted - 1"
+    )
     print(table(rows))
     return 0
 

@@ -3,6 +3,7 @@ computed once per context set) versus a naive two-full-forward implementation, s
 
     .venv/bin/python bench/kl_cache.py [--contexts 32 --layer 15 --dtype auto]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,13 +16,13 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from atlas_core.atlas import AtlasConfig, fit_atlas  # noqa: E402
-from atlas_core.backbone import load_backbone  # noqa: E402
-from atlas_core.extract import sample_activations  # noqa: E402
-from atlas_core.residual import ResidualConfig, attach, build_residual  # noqa: E402
-from bench.common import machine  # noqa: E402
-from evaluation.contexts import retained_contexts  # noqa: E402
-from evaluation.kl import RetainedKL, kl_per_position  # noqa: E402
+from atlas_core.atlas import AtlasConfig, fit_atlas
+from atlas_core.backbone import load_backbone
+from atlas_core.extract import sample_activations
+from atlas_core.residual import ResidualConfig, attach, build_residual
+from bench.common import machine
+from evaluation.contexts import retained_contexts
+from evaluation.kl import RetainedKL, kl_per_position
 
 
 @torch.no_grad()
@@ -67,11 +68,15 @@ def main() -> None:
     t_naive = (time.perf_counter() - start) / len(residuals)
 
     print(f"machine: {machine()}")
-    print(f"{bb.name} ({bb.dtype}), {args.contexts} GSM8K contexts ({kl.positions} positions), layer {args.layer} "
-          f"of {bb.num_layers}, batch {args.batch}")
+    print(
+        f"{bb.name} ({bb.dtype}), {args.contexts} GSM8K contexts ({kl.positions} positions), layer {args.layer} "
+        f"of {bb.num_layers}, batch {args.batch}"
+    )
     print(f"  one-time caches (prefix + reference): {t_setup:.1f} s, {2 * kl.cache_bytes() / 2**20:.1f} MiB")
-    print(f"  per checkpoint: cached {t_cached:.1f} s, naive two full forwards {t_naive:.1f} s -> "
-          f"speed-up {t_naive / t_cached:.2f}x")
+    print(
+        f"  per checkpoint: cached {t_cached:.1f} s, naive two full forwards {t_naive:.1f} s -> "
+        f"speed-up {t_naive / t_cached:.2f}x"
+    )
     print(f"  KL agreement: cached {cached} vs naive {naive}")
 
 

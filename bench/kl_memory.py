@@ -7,6 +7,7 @@ layer 15 (what is measured does not depend on the adapter).
 
     .venv/bin/python bench/kl_memory.py [--contexts 128 --batch 8 --dtype auto]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,12 +20,12 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from atlas_core.backbone import load_backbone  # noqa: E402
-from atlas_core.residual import ResidualConfig, build_residual  # noqa: E402
-from bench.common import machine, peak_rss_added  # noqa: E402
-from bench.eval_candidate import previous_kl  # noqa: E402
-from evaluation.domains import domain_contexts  # noqa: E402
-from evaluation.kl import RetainedKL  # noqa: E402
+from atlas_core.backbone import load_backbone
+from atlas_core.residual import ResidualConfig, build_residual
+from bench.common import machine, peak_rss_added
+from bench.eval_candidate import previous_kl
+from evaluation.domains import domain_contexts
+from evaluation.kl import RetainedKL
 
 
 def main() -> None:
@@ -42,21 +43,27 @@ def main() -> None:
     reference = kl.reference()  # prefix and reference caches, held by both implementations alike
 
     measured = {}
-    for name, run in (("current", lambda: kl.kl(reference, residual).mean),
-                      ("previous", lambda: previous_kl(kl, reference, residual))):
+    for name, run in (
+        ("current", lambda: kl.kl(reference, residual).mean),
+        ("previous", lambda: previous_kl(kl, reference, residual)),
+    ):
         start = time.perf_counter()
         value, mib = peak_rss_added(run)
         measured[name] = (value, mib, time.perf_counter() - start)
     rows, width = kl.batches[0][0].shape  # the longest batch comes first
     logits_mib = rows * width * bb.model.config.vocab_size * 4 / 2**20
     print(f"machine: {machine()}")
-    print(f"{bb.name} ({bb.dtype}), {args.contexts} GSM8K gate contexts ({kl.positions} positions), batch {args.batch}, "
-          f"longest batch {rows} x {width} tokens: its (B, T, V) fp32 logits are {logits_mib:.0f} MiB")
+    print(
+        f"{bb.name} ({bb.dtype}), {args.contexts} GSM8K gate contexts ({kl.positions} positions), batch {args.batch}, "
+        f"longest batch {rows} x {width} tokens: its (B, T, V) fp32 logits are {logits_mib:.0f} MiB"
+    )
     for name, (value, mib, seconds) in measured.items():
         print(f"  {name:8s} peak memory added {mib:7.0f} MiB   ({seconds:.0f} s)   KL {value:.10g}")
     (_, cur, _), (_, prev, _) = measured["current"], measured["previous"]
-    print(f"  ratio previous / current: {prev / max(cur, 1):.1f}x; KL relative difference "
-          f"{abs(measured['current'][0] - measured['previous'][0]) / measured['previous'][0]:.1e}")
+    print(
+        f"  ratio previous / current: {prev / max(cur, 1):.1f}x; KL relative difference "
+        f"{abs(measured['current'][0] - measured['previous'][0]) / measured['previous'][0]:.1e}"
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ up-projection) on the same tokens, in fp32 and bf16.
 
     .venv/bin/python bench/residual_operator.py [--d 4096 --k 32 --n 4 --m 16 --r 16 --tokens 8192]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,16 +13,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from atlas_core.atlas import Atlas  # noqa: E402
-from atlas_core.residual import AtlasResidual, ResidualConfig  # noqa: E402
-from bench.common import machine, timeit  # noqa: E402
+from atlas_core.atlas import Atlas
+from atlas_core.residual import AtlasResidual, ResidualConfig
+from bench.common import machine, timeit
 
 
 def random_atlas(d: int, k: int, m: int) -> Atlas:
     g = torch.Generator().manual_seed(0)
     bases = torch.linalg.qr(torch.randn(k, d, m, generator=g))[0]
-    return Atlas(centers=torch.randn(k, d, generator=g), bases=bases, sigma=torch.ones(k, m), tau=2.0 * d,
-                 calibration=torch.randn(64, d, generator=g), meta={"config": {"variant": "local"}})
+    return Atlas(
+        centers=torch.randn(k, d, generator=g),
+        bases=bases,
+        sigma=torch.ones(k, m),
+        tau=2.0 * d,
+        calibration=torch.randn(64, d, generator=g),
+        meta={"config": {"variant": "local"}},
+    )
 
 
 def main() -> None:
@@ -36,8 +43,10 @@ def main() -> None:
     up = torch.randn(args.d, 4 * args.d) / args.d**0.5
 
     print(f"machine: {machine()}")
-    print(f"full ATLAS residual, d={args.d} K={args.k} n={args.n} m={args.m} r={args.r}, {args.tokens} tokens, "
-          f"median of {args.repeat}")
+    print(
+        f"full ATLAS residual, d={args.d} K={args.k} n={args.n} m={args.m} r={args.r}, {args.tokens} tokens, "
+        f"median of {args.repeat}"
+    )
     print(f"{'dtype':>9} {'residual us/tok':>16} {'d x 4d matmul us/tok':>21} {'ratio':>7}")
     with torch.no_grad():
         for dtype in (torch.float32, torch.bfloat16):

@@ -9,6 +9,7 @@ result; this runner puts that output, the command and the date between the marke
 markers (the reading of the numbers) is left as it is. Run it on an otherwise idle
 machine: with 2 cores, any other process halves what a benchmark measures.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -49,8 +50,10 @@ def run(name: str) -> str:
 def section(name: str, output: str) -> str:
     args, title = BENCHMARKS[name]
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    return (f"<!-- bench:{name} -->\n### {title}\n\n`.venv/bin/python {' '.join(args)}` ({stamp})\n\n"
-            f"```\n{output}\n```\n<!-- /bench:{name} -->")
+    return (
+        f"<!-- bench:{name} -->\n### {title}\n\n`.venv/bin/python {' '.join(args)}` ({stamp})\n\n"
+        f"```\n{output}\n```\n<!-- /bench:{name} -->"
+    )
 
 
 def rewrite(doc: str, name: str, block: str) -> str:

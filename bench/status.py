@@ -5,6 +5,7 @@ whose Prefect database holds runs of a flow named 'update'.
 
     .venv/bin/python bench/status.py [--repeat 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,10 @@ from flows import serve
 scheduled, recent = serve.{reader}(5)
 print(len(recent))
 """
-READERS = {"current (local database, in-process)": "_update_runs_local",
-           "previous (Prefect client + temporary server)": "_update_runs_from_server"}
+READERS = {
+    "current (local database, in-process)": "_update_runs_local",
+    "previous (Prefect client + temporary server)": "_update_runs_from_server",
+}
 
 
 def run(code: str, env: dict) -> tuple[float, str]:
@@ -49,8 +52,12 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as state:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-        env |= {"ATLAS_STATE_DIR": state, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_WAIT_POLICY": "PASSIVE",
-                "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}  # the previous path timed out under load
+        env |= {
+            "ATLAS_STATE_DIR": state,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "OMP_WAIT_POLICY": "PASSIVE",
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        }  # the previous path timed out under load
         run(SETUP, env)  # three 'update' runs in the local database
         times = {name: [] for name in READERS}
         runs = {}

@@ -14,6 +14,7 @@ that ratio counted in matmul FLOPs (`matmul_ratio`), which is where ~3/4 of a st
 CPU (torch.profiler: aten::mm), and its ceiling with a free LM head, 1 + (l+1) / (2 (L-l-1)).
 Prints a markdown section; bench/run_all.py puts it into docs/BENCHMARKS.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,14 +29,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from atlas_core.backbone import decoder_layers, hidden_at_layer, load_backbone  # noqa: E402
-from atlas_core.residual import ResidualConfig, build_residual  # noqa: E402
-from atlas_core.train import TrainConfig, build_caches, epoch_batches, prepare_data, train  # noqa: E402
-from atlas_core.train.adapters import ResidualAdapter  # noqa: E402
-from atlas_core.train.data import collate  # noqa: E402
-from atlas_core.train.objectives import selected_logits  # noqa: E402
-from bench.common import machine  # noqa: E402
-from bench.train_common import atlas_for, mbpp_pairs  # noqa: E402
+from atlas_core.backbone import decoder_layers, hidden_at_layer, load_backbone
+from atlas_core.residual import ResidualConfig, build_residual
+from atlas_core.train import TrainConfig, build_caches, epoch_batches, prepare_data, train
+from atlas_core.train.adapters import ResidualAdapter
+from atlas_core.train.data import collate
+from atlas_core.train.objectives import selected_logits
+from bench.common import machine
+from bench.train_common import atlas_for, mbpp_pairs
 
 
 def timed_step(model, adapter, batch, cache, optimizer) -> dict[str, float]:
@@ -111,13 +112,21 @@ def layer_curve(backbone, data, layers: list[int], args) -> list[tuple[int, floa
     """(layer, cached s/step, uncached s/step, lower-forward s, matmul ratio) at each layer: part 1's timing."""
     out = []
     for layer in layers:
-        residual = build_residual(ResidualConfig(variant="atlas", layer=layer, rank=16), backbone.model,
-                                  atlas_for(backbone, layer))
+        residual = build_residual(
+            ResidualConfig(variant="atlas", layer=layer, rank=16), backbone.model, atlas_for(backbone, layer)
+        )
         torch.nn.init.normal_(residual.B, std=1e-3)
         cache = build_caches(backbone.model, data, layer)["train"]
         rows, _ = step_times(backbone.model, ResidualAdapter(residual), data, cache, layer, args)
-        out.append((layer, mean_step(rows["cached"]), mean_step(rows["uncached"]), statistics.median(rows["lower"]),
-                    matmul_ratio(backbone.model, data, layer, args)))
+        out.append(
+            (
+                layer,
+                mean_step(rows["cached"]),
+                mean_step(rows["uncached"]),
+                statistics.median(rows["lower"]),
+                matmul_ratio(backbone.model, data, layer, args),
+            )
+        )
     return out
 
 
@@ -148,9 +157,15 @@ def main() -> None:
     phases = list(rows["cached"][0])
 
     # ---- part 2: train() end to end on a subset, both ways
-    subset = replace(data, train=replace(data.train, ids=data.train.ids[: args.subset],
-                                         prompt_len=data.train.prompt_len[: args.subset],
-                                         example_ids=data.train.example_ids[: args.subset]))
+    subset = replace(
+        data,
+        train=replace(
+            data.train,
+            ids=data.train.ids[: args.subset],
+            prompt_len=data.train.prompt_len[: args.subset],
+            example_ids=data.train.example_ids[: args.subset],
+        ),
+    )
     e2e = {}
     for cached in (True, False):
         residual2 = build_residual(ResidualConfig(variant="atlas", layer=layer, rank=16), model, atlas)
@@ -165,40 +180,58 @@ def main() -> None:
 
     n, n_layers = len(rows["cached"]), model.config.num_hidden_layers
     print("\n### Prefix cache: training throughput (bench/train_prefix_cache.py)\n")
-    print(f"Machine: {machine()}. Backbone smollm2-135m (30 layers, d=576), fp32, full ATLAS r=16 at layer {layer}; "
-          f"MBPP train, batch {args.batch_size}, right padding, logits only at response positions.\n")
-    print(f"Part 1: {n} steps on the same batches ({tokens:,} real tokens), cached and uncached interleaved; "
-          "median seconds per step:\n")
+    print(
+        f"Machine: {machine()}. Backbone smollm2-135m (30 layers, d=576), fp32, full ATLAS r=16 at layer {layer}; "
+        f"MBPP train, batch {args.batch_size}, right padding, logits only at response positions.\n"
+    )
+    print(
+        f"Part 1: {n} steps on the same batches ({tokens:,} real tokens), cached and uncached interleaved; "
+        "median seconds per step:\n"
+    )
     print("| phase | with prefix cache | without |")
     print("|---|---|---|")
     for p in phases:
-        print(f"| {p} | {statistics.median(r[p] for r in rows['cached']):.3f} | "
-              f"{statistics.median(r[p] for r in rows['uncached']):.3f} |")
+        print(
+            f"| {p} | {statistics.median(r[p] for r in rows['cached']):.3f} | "
+            f"{statistics.median(r[p] for r in rows['uncached']):.3f} |"
+        )
     print(f"| *(of which layers 0..{layer}, no grad)* | 0 (cached) | {statistics.median(rows['lower']):.3f} |")
     print(f"| **total per step** | **{total['cached'] / n:.3f}** | **{total['uncached'] / n:.3f}** |")
     print(f"| tokens/s | {tokens / total['cached']:,.0f} | {tokens / total['uncached']:,.0f} |\n")
-    print(f"Step-time ratio (uncached / cached): **{total['uncached'] / total['cached']:.2f}x**. The same ratio "
-          f"counted in matmul FLOPs over these batches: {matmul_ratio(model, data, layer, args):.2f}x; with a free "
-          f"LM head at most {free_head_ceiling(layer, n_layers):.2f}x.\n")
-    print(f"Part 2: `train()` end to end, 1 epoch on {args.subset} examples "
-          f"({e2e[True].steps} steps, {e2e[True].tokens:,} tokens, validation and checkpoints off the clock):\n")
+    print(
+        f"Step-time ratio (uncached / cached): **{total['uncached'] / total['cached']:.2f}x**. The same ratio "
+        f"counted in matmul FLOPs over these batches: {matmul_ratio(model, data, layer, args):.2f}x; with a free "
+        f"LM head at most {free_head_ceiling(layer, n_layers):.2f}x.\n"
+    )
+    print(
+        f"Part 2: `train()` end to end, 1 epoch on {args.subset} examples "
+        f"({e2e[True].steps} steps, {e2e[True].tokens:,} tokens, validation and checkpoints off the clock):\n"
+    )
     print("| | tokens/s | epoch time (s) |")
     print("|---|---|---|")
     print(f"| prefix cache | {e2e[True].tokens_per_s:,.0f} | {e2e[True].seconds:.1f} |")
     print(f"| no cache | {e2e[False].tokens_per_s:,.0f} | {e2e[False].seconds:.1f} |\n")
-    print(f"Ratio {e2e[False].seconds / e2e[True].seconds:.2f}x per epoch. Building the cache for all "
-          f"{len(data.train)} training examples took {cache_s:.1f} s once ({cache.nbytes / 2**20:.0f} MiB fp32); "
-          f"over 5 epochs, cache build included: {amortised:.2f}x. Peak RSS of this process: {peak:,.0f} MiB.")
+    print(
+        f"Ratio {e2e[False].seconds / e2e[True].seconds:.2f}x per epoch. Building the cache for all "
+        f"{len(data.train)} training examples took {cache_s:.1f} s once ({cache.nbytes / 2**20:.0f} MiB fp32); "
+        f"over 5 epochs, cache build included: {amortised:.2f}x. Peak RSS of this process: {peak:,.0f} MiB."
+    )
     if curve:
-        print(f"\nPart 3: step time by adapted layer (part 1's timing, {args.batches} steps each, mean seconds per "
-              "step). The cache removes only the forward of layers 0..l, so the expected ratio is the uncached step "
-              "over the uncached step less that forward; steps on this 2-core VM vary by ~15% between repeats:\n")
-        print("| layer l | (l+1) / L | with cache | without | ratio | without / (without - forward of 0..l) "
-              "| matmul FLOPs | ceiling, free head |")
+        print(
+            f"\nPart 3: step time by adapted layer (part 1's timing, {args.batches} steps each, mean seconds per "
+            "step). The cache removes only the forward of layers 0..l, so the expected ratio is the uncached step "
+            "over the uncached step less that forward; steps on this 2-core VM vary by ~15% between repeats:\n"
+        )
+        print(
+            "| layer l | (l+1) / L | with cache | without | ratio | without / (without - forward of 0..l) "
+            "| matmul FLOPs | ceiling, free head |"
+        )
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for lay, c, u, low, flops in curve:
-            print(f"| {lay} | {(lay + 1) / n_layers:.2f} | {c:.3f} | {u:.3f} | **{u / c:.2f}x** | {u / (u - low):.2f}x "
-                  f"| {flops:.2f}x | {free_head_ceiling(lay, n_layers):.2f}x |")
+            print(
+                f"| {lay} | {(lay + 1) / n_layers:.2f} | {c:.3f} | {u:.3f} | **{u / c:.2f}x** | {u / (u - low):.2f}x "
+                f"| {flops:.2f}x | {free_head_ceiling(lay, n_layers):.2f}x |"
+            )
 
 
 if __name__ == "__main__":

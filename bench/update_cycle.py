@@ -5,6 +5,7 @@ must be idle (both snapshots are already in the champion's chain).
 
     .venv/bin/python bench/update_cycle.py
 """
+
 from __future__ import annotations
 
 import os
@@ -18,20 +19,28 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.common import machine  # noqa: E402
 
-RELEASES = (("v1 code", "configs/update/default.yaml", "configs/policy/default.yaml"),
-            ("v2 GSM8K format", "configs/update/gsm8k-format.yaml", "configs/policy/gsm8k-format.yaml"))
+RELEASES = (
+    ("v1 code", "configs/update/default.yaml", "configs/policy/default.yaml"),
+    ("v2 GSM8K format", "configs/update/gsm8k-format.yaml", "configs/policy/gsm8k-format.yaml"),
+)
 
 
 def run_update(state: Path, config: str, policy: str) -> tuple[float, str]:
     env = {**os.environ, "ATLAS_STATE_DIR": str(state), "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
-    proc = subprocess.run([str(ROOT / ".venv" / "bin" / "atlas"), "update", "--config", config, "--policy", policy],
-                          cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "atlas"), "update", "--config", config, "--policy", policy],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"atlas update failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    outcome = next((line.strip() for line in proc.stdout.splitlines()
-                    if "promoted" in line.lower() or ": idle:" in line), "")
+    outcome = next(
+        (line.strip() for line in proc.stdout.splitlines() if "promoted" in line.lower() or ": idle:" in line), ""
+    )
     return seconds, outcome
 
 
@@ -45,8 +54,10 @@ def main() -> None:
         for name, seconds, outcome in runs:
             print(f"  {name:16s} {label:5s} {seconds / 60:5.1f} min   {outcome[:120]}")
     total_cold, total_warm = sum(s for _, s, _ in cold), sum(s for _, s, _ in warm)
-    print(f"  both releases: {total_cold / 60:.1f} min (target < 20 min); again (idle): {total_warm / 60:.1f} min, "
-          f"{total_cold / total_warm:.0f}x less")
+    print(
+        f"  both releases: {total_cold / 60:.1f} min (target < 20 min); again (idle): {total_warm / 60:.1f} min, "
+        f"{total_cold / total_warm:.0f}x less"
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ Per-question answers are stored as JSONL, one object per question keyed by id:
     {"id": "gsm8k-test-0", "answer": "18", "correct": true, "raw": "... completion ..."}
 `answer` is null when nothing could be extracted; `raw` is optional.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,6 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from atlas_core.errors import InputError
-
 from atlas_core.io import atomic_write_bytes
 from evaluation.userdata import jsonl_objects
 
@@ -33,8 +33,7 @@ _NUMBER = re.compile(
 _ANSWER_IS = re.compile(r"answer\s+is\b", re.IGNORECASE)
 # "The answer is N" with N complete (a character that cannot continue it follows): what the math
 # prompt asks a completion to end with, so generation may stop there (evaluation.generate).
-ANSWER_GIVEN = re.compile(r"answer\s+is\b[^\d\n]{0,12}\d(?:[\d,]*\d)?(?:\.\d+)?(?:[^\d.,]|[.,](?=\D))",
-                          re.IGNORECASE)
+ANSWER_GIVEN = re.compile(r"answer\s+is\b[^\d\n]{0,12}\d(?:[\d,]*\d)?(?:\.\d+)?(?:[^\d.,]|[.,](?=\D))", re.IGNORECASE)
 
 
 def normalize_number(text: str) -> str | None:
@@ -105,7 +104,9 @@ class Answer:
 def score_gsm8k(ids: Sequence[str], completions: Sequence[str], references: Sequence[str]) -> list[Answer]:
     """Extract and grade: `references` are reference final answers (e.g. the `final` column)."""
     if not len(ids) == len(completions) == len(references):
-        raise ValueError(f"lengths differ: {len(ids)} ids, {len(completions)} completions, {len(references)} references")
+        raise ValueError(
+            f"lengths differ: {len(ids)} ids, {len(completions)} completions, {len(references)} references"
+        )
     out = []
     for qid, completion, reference in zip(ids, completions, references):
         predicted = extract_gsm8k_answer(completion)

@@ -5,6 +5,7 @@ evaluation's own decoding (evaluation/generate.py) is tuned for benchmarks (stop
 answer patterns); this is the plain transformers `generate` a person expects, on the
 model as it is (a release's chain is attached by hooks, so it takes part in every step).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -42,21 +43,34 @@ class Sampling:
     def config(self, eos: list[int], pad_id: int) -> GenerationConfig:
         sampled = self.temperature > 0
         options = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or None) if sampled else {}
-        return GenerationConfig(max_new_tokens=self.max_new_tokens, do_sample=sampled, num_beams=1,
-                                eos_token_id=eos or None, pad_token_id=pad_id, **options)
+        return GenerationConfig(
+            max_new_tokens=self.max_new_tokens,
+            do_sample=sampled,
+            num_beams=1,
+            eos_token_id=eos or None,
+            pad_token_id=pad_id,
+            **options,
+        )
 
 
 def chat_prompt(tokenizer: Any, message: str) -> str:
     """The prompt of one user turn: the model's chat template, or the message itself without one."""
     if has_chat_template(tokenizer):
-        return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
+        )
     return message
 
 
 @torch.no_grad()
-def chat(model: Any, tokenizer: Any, messages: Sequence[str], sampling: Sampling = Sampling(),
-         batch_size: int = 8, streamer: Any = None) -> list[str]:
+def chat(
+    model: Any,
+    tokenizer: Any,
+    messages: Sequence[str],
+    sampling: Sampling = Sampling(),
+    batch_size: int = 8,
+    streamer: Any = None,
+) -> list[str]:
     """The model's reply to each user message, in input order. `streamer` (a transformers
     streamer, e.g. TextStreamer) receives the tokens as they are generated; it needs batch 1."""
     if isinstance(messages, str):
@@ -74,10 +88,14 @@ def chat(model: Any, tokenizer: Any, messages: Sequence[str], sampling: Sampling
     saved_side, tokenizer.padding_side = tokenizer.padding_side, "left"  # new tokens line up on the right
     try:
         for start in range(0, len(prompts), batch_size):
-            enc = tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True,
-                            add_special_tokens=add_special_tokens_for(tokenizer)).to(device)
+            enc = tokenizer(
+                prompts[start : start + batch_size],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=add_special_tokens_for(tokenizer),
+            ).to(device)
             out = model.generate(**enc, generation_config=config, streamer=streamer)  # (B, T + new)
-            replies += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            replies += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     finally:
         tokenizer.padding_side = saved_side
     return replies

@@ -11,6 +11,7 @@ Versions of one line share the backbone's layers below the lowest one any delta 
 `ChoiceSet` can keep the prompts' states at such a layer (computed once, on the base) and
 answer each version from there: only the layers above and the LM head at the last position run.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -50,8 +51,10 @@ def label_token_ids(tokenizer: Any, labels: Sequence[str] = CSQA_LABELS) -> list
     for text in label_continuations(tokenizer, labels):
         tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(tokens) != 1:
-            raise ValueError(f"label continuation {text!r} is {len(tokens)} tokens ({tokens}) for this tokenizer; "
-                             "conditional choice needs one token per label")
+            raise ValueError(
+                f"label continuation {text!r} is {len(tokens)} tokens ({tokens}) for this tokenizer; "
+                "conditional choice needs one token per label"
+            )
         ids.append(tokens[0])
     if len(set(ids)) != len(ids):
         raise ValueError(f"labels {list(labels)} do not map to distinct tokens: {ids}")
@@ -68,20 +71,33 @@ class ChoiceSet:
     every version whose deltas change nothing at or below `layer`. Without, full forwards.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, prompts: Sequence[str], labels: Sequence[str] = CSQA_LABELS,
-                 batch_size: int = 16, layer: int | None = None):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        prompts: Sequence[str],
+        labels: Sequence[str] = CSQA_LABELS,
+        batch_size: int = 16,
+        layer: int | None = None,
+    ):
         self.model, self.labels, self.layer, self.size = model, tuple(labels), layer, len(prompts)
         self.label_ids = torch.tensor(label_token_ids(tokenizer, labels))
         # Similar lengths share a batch: little padding.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)
-        self.batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]] = []  # ids, mask, positions, rows
+        self.batches: list[
+            tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]
+        ] = []  # ids, mask, positions, rows
         saved_side = tokenizer.padding_side
         tokenizer.padding_side = "left"  # so position -1 is every prompt's last real token
         try:
             for start in range(0, len(order), batch_size):
                 rows = order[start : start + batch_size]
-                enc = tokenizer([prompts[i] for i in rows], return_tensors="pt", padding=True,
-                                add_special_tokens=add_special_tokens_for(tokenizer))
+                enc = tokenizer(
+                    [prompts[i] for i in rows],
+                    return_tensors="pt",
+                    padding=True,
+                    add_special_tokens=add_special_tokens_for(tokenizer),
+                )
                 # Positions count real tokens only, so left padding does not shift a prompt (as in generate).
                 positions = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
                 self.batches.append((enc["input_ids"], enc["attention_mask"], positions, rows))
@@ -122,8 +138,9 @@ class ChoiceSet:
             ids, mask, positions = self._inputs(i)
             if self.layer is None:
                 with contiguous_head_input(self.model):
-                    logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                        logits_to_keep=1).logits[:, -1, :]
+                    logits = self.model(
+                        input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1
+                    ).logits[:, -1, :]
             else:  # the head on the last position only, shaped (B, 1, d) as in the full forward (same GEMM)
                 last = upper_hidden(self.model, self.layer, self.prefix()[i], ids, mask, positions)[:, -1:, :]
                 logits = head_logits(self.model, last.contiguous())[:, -1, :]

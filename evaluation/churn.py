@@ -9,6 +9,7 @@ correct answer, churn is exactly the share of questions whose answer changed; th
 function therefore gives CSQA choice churn (answers are the chosen labels A-E).
 Two unextractable answers (None, None) count as unchanged.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -19,7 +20,9 @@ if TYPE_CHECKING:  # kept light: registry classifies stored answers with `flip_k
     from evaluation.answers import Answer
 
 
-def flip_kind(ref_correct: bool, ref_answer: Optional[str], new_correct: bool, new_answer: Optional[str]) -> Optional[str]:
+def flip_kind(
+    ref_correct: bool, ref_answer: Optional[str], new_correct: bool, new_answer: Optional[str]
+) -> Optional[str]:
     """'F', 'G' or 'W' for one question going from the reference's answer to the new one; None: unchanged."""
     if ref_correct and not new_correct:
         return "F"
@@ -56,7 +59,9 @@ def _by_id(answers: Mapping[str, Answer] | Iterable[Answer]) -> dict[str, Answer
     return out
 
 
-def answer_churn(reference: Mapping[str, Answer] | Iterable[Answer], new: Mapping[str, Answer] | Iterable[Answer]) -> Churn:
+def answer_churn(
+    reference: Mapping[str, Answer] | Iterable[Answer], new: Mapping[str, Answer] | Iterable[Answer]
+) -> Churn:
     """F/G/W, churn and NFR of `new` against `reference`; both must cover the same question ids."""
     ref, cur = _by_id(reference), _by_id(new)
     if ref.keys() != cur.keys():
@@ -71,7 +76,10 @@ def answer_churn(reference: Mapping[str, Answer] | Iterable[Answer], new: Mappin
     kinds = [flip_kind(r.correct, r.answer, cur[qid].correct, cur[qid].answer) for qid, r in ref.items()]
     F, G, W = (kinds.count(k) for k in "FGW")
     return Churn(
-        n=n, F=F, G=G, W=W,
+        n=n,
+        F=F,
+        G=G,
+        W=W,
         churn=(F + G + W) / n,
         nfr=F / n,
         accuracy_ref=sum(a.correct for a in ref.values()) / n,

@@ -15,6 +15,7 @@ e.g. MBPP+ problems solved) or <= k (direction "lower", e.g. held-out NLL).
    and each level (geometric mean over seeds) is counted as favouring the method (< 1),
    the baseline (> 1) or neither.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,8 +58,10 @@ def _runs(checkpoints: Iterable[Checkpoint]) -> dict[tuple[str, int], list[Check
     runs: dict[tuple[str, int], list[Checkpoint]] = defaultdict(list)
     for c in checkpoints:
         if not (math.isfinite(c.kl) and c.kl > 0 and math.isfinite(c.level)):
-            raise ValueError(f"checkpoint {c.name or (c.method, c.seed)}: KL must be finite and > 0 and the "
-                             f"level finite (got kl={c.kl}, level={c.level})")
+            raise ValueError(
+                f"checkpoint {c.name or (c.method, c.seed)}: KL must be finite and > 0 and the "
+                f"level finite (got kl={c.kl}, level={c.level})"
+            )
         runs[(c.method, c.seed)].append(c)
     return dict(runs)
 
@@ -130,14 +133,27 @@ def matched_comparison(
     if missing:
         raise ValueError(f"seeds {missing} are not present for both {method!r} and {baseline!r}")
     levels = list(levels) if levels is not None else shared_levels(pair, direction, n_grid)
-    values = {m: {s: [min_kl_at(runs[(m, s)], k, direction) for k in levels] for s in seeds} for m in (method, baseline)}
+    values = {
+        m: {s: [min_kl_at(runs[(m, s)], k, direction) for k in levels] for s in seeds} for m in (method, baseline)
+    }
     ratios = {s: [a / b for a, b in zip(values[method][s], values[baseline][s])] for s in seeds}
     seed_ratios = {s: _geomean(r) for s, r in ratios.items()}
     level_ratios = [_geomean(ratios[s][i] for s in seeds) for i in range(len(levels))]
     ratio = _geomean(r for rs in ratios.values() for r in rs)
     return MatchedComparison(
-        method, baseline, direction, levels, seeds, values, ratios, ratio, 1 - ratio, seed_ratios, level_ratios,
-        _favour(seed_ratios.values(), method, baseline), _favour(level_ratios, method, baseline),
+        method,
+        baseline,
+        direction,
+        levels,
+        seeds,
+        values,
+        ratios,
+        ratio,
+        1 - ratio,
+        seed_ratios,
+        level_ratios,
+        _favour(seed_ratios.values(), method, baseline),
+        _favour(level_ratios, method, baseline),
     )
 
 

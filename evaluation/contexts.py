@@ -4,6 +4,7 @@ One rendering feeds both the atlas (calibration activations) and the retained-KL
 so the atlas describes inputs of the kind whose outputs the gates watch; evaluation/domains.py
 picks disjoint rows for the two (evaluation split to gate, train split to calibrate).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,8 +25,9 @@ def pair_context(tokenizer: Any, prompt: str, response: str) -> str:
     return head + tail
 
 
-def retained_contexts(tokenizer: Any, domain: str, split: str | None = None, limit: int | None = None,
-                      root: str | Path | None = None) -> tuple[list[str], list[str]]:
+def retained_contexts(
+    tokenizer: Any, domain: str, split: str | None = None, limit: int | None = None, root: str | Path | None = None
+) -> tuple[list[str], list[str]]:
     """(ids, contexts) of the first `limit` rows of a retained domain, in file order.
 
     gsm8k: math prompt + the reference solution (split 'test' by default);
@@ -39,7 +41,10 @@ def retained_contexts(tokenizer: Any, domain: str, split: str | None = None, lim
     elif domain == "csqa":
         ds = load_csqa(split or "validation", root)
         ds = ds.select(range(min(limit, len(ds)))) if limit else ds
-        texts = [render(tokenizer, choice_message(s, t), "choice") + a for s, t, a in zip(ds["stem"], ds["texts"], ds["answer"])]
+        texts = [
+            render(tokenizer, choice_message(s, t), "choice") + a
+            for s, t, a in zip(ds["stem"], ds["texts"], ds["answer"])
+        ]
     elif domain == "mbpp":
         pairs = mbpp_pairs(split or "test", root)
         pairs = pairs[:limit] if limit else pairs

@@ -19,6 +19,7 @@ Command line (files from upstream, each sha256 checked before it is written):
     python -m evaluation.data download [--dest DIR]     # default DIR: ATLAS_DATA_DIR or <state>/data
     python -m evaluation.data verify [--root DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,10 +33,10 @@ from typing import TYPE_CHECKING
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from atlas_core.errors import InputError  # noqa: E402
-from atlas_core.paths import data_dir, state_dir  # noqa: E402
-from evaluation.datafiles import DataIntegrityError, download, verified_path, verify_all  # noqa: E402
-from evaluation.prompts import code_pair, math_pair  # noqa: E402
+from atlas_core.errors import InputError
+from atlas_core.paths import data_dir, state_dir
+from evaluation.datafiles import DataIntegrityError, download, verified_path, verify_all
+from evaluation.prompts import code_pair, math_pair
 
 GSM8K_FILES = {"test": "gsm8k/test.jsonl", "train": "gsm8k/train.jsonl"}
 CSQA_FILES = {"validation": "csqa/dev_rand_split.jsonl", "train": "csqa/train_rand_split.jsonl"}
@@ -176,13 +177,15 @@ def load_mbpp_plus(split: str = "test", root: str | Path | None = None) -> Datas
         if row["task_id"] not in ids:
             continue
         text, first_test = split_plus_prompt(row["prompt"], f"MbppPlus-v0.2.0.jsonl line {n} ({row['task_id']})")
-        rows.append({
-            "task_id": row["task_id"],
-            "text": text,
-            "first_test": first_test,
-            "entry_point": row["entry_point"],
-            "canonical_solution": row["canonical_solution"],
-        })
+        rows.append(
+            {
+                "task_id": row["task_id"],
+                "text": text,
+                "first_test": first_test,
+                "entry_point": row["entry_point"],
+                "canonical_solution": row["canonical_solution"],
+            }
+        )
     from datasets import Dataset
 
     return Dataset.from_list(rows)
@@ -201,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "download":
-            dest = args.dest or (Path(os.environ["ATLAS_DATA_DIR"]) if "ATLAS_DATA_DIR" in os.environ
-                                 else state_dir() / "data")
+            dest = args.dest or (
+                Path(os.environ["ATLAS_DATA_DIR"]) if "ATLAS_DATA_DIR" in os.environ else state_dir() / "data"
+            )
             download(dest)
             print(f"all data files present and verified in {dest}")
         else:

@@ -12,6 +12,7 @@ then writes it (atomically), so a failed or tampered download never leaves a fil
 `mbpp/splits.json` has no upstream: it is regenerated from the MBPP split rule and must
 reproduce the published hash byte for byte.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -54,34 +55,90 @@ _CSQA = "https://s3.amazonaws.com/commensenseqa"
 KNOWN_FILES: dict[str, KnownFile] = {
     f.relpath: f
     for f in [
-        KnownFile("gsm8k/test.jsonl", 1319, 749738,
-                  "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14", f"{_GSM8K}/test.jsonl"),
-        KnownFile("gsm8k/train.jsonl", 7473, 4166206,
-                  "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465", f"{_GSM8K}/train.jsonl"),
-        KnownFile("mbpp/sanitized-mbpp.json", 427, 255053,
-                  "ca95deaa9a01ef0a6f439f88bcf0dd3db3563d22f22aad6cae04ebb9a8d8c8e9", f"{_MBPP}/sanitized-mbpp.json"),
-        KnownFile("mbpp/mbpp.jsonl", 974, 563743,
-                  "ccf64ceae9c5403bf50a044cb6d505bfd2a2963ee58338ba268fd65beab92a9f", f"{_MBPP}/mbpp.jsonl"),
-        KnownFile("mbppplus/MbppPlus.jsonl.gz", 378, 336032,
-                  "af43697e8791c4c149bdfd6b489d8b5412507551ac20e28a439f650b8225db63", f"{_MBPP_PLUS}/MbppPlus.jsonl.gz"),
-        KnownFile("mbppplus/MbppPlus-v0.2.0.jsonl", 378, 2592369,
-                  "b54e762755248ca411b523c917fa9f93c07b5ff2966bf60b3917b853926a3dad",
-                  gunzip_of="mbppplus/MbppPlus.jsonl.gz"),
-        KnownFile("mbppplus/MbppPlus-NoExtreme.jsonl.gz", 378, 335525,
-                  "72d32acaea73d5606cb97041b30d45bbda9435a675369d3e31965513ee94e564",
-                  f"{_MBPP_PLUS}/MbppPlus-NoExtreme.jsonl.gz"),
-        KnownFile("mbppplus/MbppPlus-OriginFmt.jsonl.gz", 378, 549938,
-                  "7a5aec547b134fa297ee6c45f829298aa3f58de02547b8d8a5c3d85d9cb10efc",
-                  f"{_MBPP_PLUS}/MbppPlus-OriginFmt.jsonl.gz"),
-        KnownFile("mbpp/splits.json", 427, 7296,
-                  "2d1625b662582b206a2a2e73f7af32108d1bc9d3d2e5308f8704124727020dc7", derived=True),
-        KnownFile("csqa/dev_rand_split.jsonl", 1221, 471653,
-                  "3210497fdaae614ac085d9eb873dd7f4d49b6f965a93adadc803e1229fd8a02a", f"{_CSQA}/dev_rand_split.jsonl"),
-        KnownFile("csqa/train_rand_split.jsonl", 9741, 3785890,
-                  "58ffa3c8472410e24b8c43f423d89c8a003d8284698a6ed7874355dedd09a2fb", f"{_CSQA}/train_rand_split.jsonl"),
-        KnownFile("csqa/test_rand_split_no_answers.jsonl", 1140, 423148,
-                  "b426896d71a9cd064cf01cfaf6e920817c51701ef66028883ac1af2e73ad5f29",
-                  f"{_CSQA}/test_rand_split_no_answers.jsonl"),
+        KnownFile(
+            "gsm8k/test.jsonl",
+            1319,
+            749738,
+            "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
+            f"{_GSM8K}/test.jsonl",
+        ),
+        KnownFile(
+            "gsm8k/train.jsonl",
+            7473,
+            4166206,
+            "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
+            f"{_GSM8K}/train.jsonl",
+        ),
+        KnownFile(
+            "mbpp/sanitized-mbpp.json",
+            427,
+            255053,
+            "ca95deaa9a01ef0a6f439f88bcf0dd3db3563d22f22aad6cae04ebb9a8d8c8e9",
+            f"{_MBPP}/sanitized-mbpp.json",
+        ),
+        KnownFile(
+            "mbpp/mbpp.jsonl",
+            974,
+            563743,
+            "ccf64ceae9c5403bf50a044cb6d505bfd2a2963ee58338ba268fd65beab92a9f",
+            f"{_MBPP}/mbpp.jsonl",
+        ),
+        KnownFile(
+            "mbppplus/MbppPlus.jsonl.gz",
+            378,
+            336032,
+            "af43697e8791c4c149bdfd6b489d8b5412507551ac20e28a439f650b8225db63",
+            f"{_MBPP_PLUS}/MbppPlus.jsonl.gz",
+        ),
+        KnownFile(
+            "mbppplus/MbppPlus-v0.2.0.jsonl",
+            378,
+            2592369,
+            "b54e762755248ca411b523c917fa9f93c07b5ff2966bf60b3917b853926a3dad",
+            gunzip_of="mbppplus/MbppPlus.jsonl.gz",
+        ),
+        KnownFile(
+            "mbppplus/MbppPlus-NoExtreme.jsonl.gz",
+            378,
+            335525,
+            "72d32acaea73d5606cb97041b30d45bbda9435a675369d3e31965513ee94e564",
+            f"{_MBPP_PLUS}/MbppPlus-NoExtreme.jsonl.gz",
+        ),
+        KnownFile(
+            "mbppplus/MbppPlus-OriginFmt.jsonl.gz",
+            378,
+            549938,
+            "7a5aec547b134fa297ee6c45f829298aa3f58de02547b8d8a5c3d85d9cb10efc",
+            f"{_MBPP_PLUS}/MbppPlus-OriginFmt.jsonl.gz",
+        ),
+        KnownFile(
+            "mbpp/splits.json",
+            427,
+            7296,
+            "2d1625b662582b206a2a2e73f7af32108d1bc9d3d2e5308f8704124727020dc7",
+            derived=True,
+        ),
+        KnownFile(
+            "csqa/dev_rand_split.jsonl",
+            1221,
+            471653,
+            "3210497fdaae614ac085d9eb873dd7f4d49b6f965a93adadc803e1229fd8a02a",
+            f"{_CSQA}/dev_rand_split.jsonl",
+        ),
+        KnownFile(
+            "csqa/train_rand_split.jsonl",
+            9741,
+            3785890,
+            "58ffa3c8472410e24b8c43f423d89c8a003d8284698a6ed7874355dedd09a2fb",
+            f"{_CSQA}/train_rand_split.jsonl",
+        ),
+        KnownFile(
+            "csqa/test_rand_split_no_answers.jsonl",
+            1140,
+            423148,
+            "b426896d71a9cd064cf01cfaf6e920817c51701ef66028883ac1af2e73ad5f29",
+            f"{_CSQA}/test_rand_split_no_answers.jsonl",
+        ),
     ]
 }
 
@@ -201,7 +258,7 @@ Fetcher = Callable[[str], bytes]
 
 
 def fetch_url(url: str, timeout: float = 60.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (fixed https URLs)
+    with urllib.request.urlopen(url, timeout=timeout) as response:
         return response.read()
 
 

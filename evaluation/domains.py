@@ -18,6 +18,7 @@ Every domain has two disjoint row sets, by construction:
   of the file after the gating ones.
 So the atlas never sees the inputs the gates judge it on.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,26 +51,42 @@ DomainSpec = Any  # a built-in name, a {name, file, ...} mapping, or a RetainedD
 
 @dataclass(frozen=True)
 class RetainedDomain:
-    name: str = field("The domain's name: a built-in (gsm8k, csqa, mbpp) or the user's own (letters, digits, "
-                      "'_', '.', '-'); policy thresholds are keyed by it.", "")
-    file: str | None = field("JSONL of the user's domain (id, prompt, reference; optional answer). None: a built-in.", None)
-    gate_rows: int | None = field("User's domain: the first N rows gate, the rows after them calibrate the atlas "
-                                  "(null: the first half of the file gates).", None)
-    checker: str = field(f"User's domain: how a generated answer is graded against `answer`, one of {CHECKERS}.", "exact")
+    name: str = field(
+        "The domain's name: a built-in (gsm8k, csqa, mbpp) or the user's own (letters, digits, "
+        "'_', '.', '-'); policy thresholds are keyed by it.",
+        "",
+    )
+    file: str | None = field(
+        "JSONL of the user's domain (id, prompt, reference; optional answer). None: a built-in.", None
+    )
+    gate_rows: int | None = field(
+        "User's domain: the first N rows gate, the rows after them calibrate the atlas "
+        "(null: the first half of the file gates).",
+        None,
+    )
+    checker: str = field(
+        f"User's domain: how a generated answer is graded against `answer`, one of {CHECKERS}.", "exact"
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise ConfigError(f"name: expected a name of letters, digits, '_', '.', '-', got {self.name!r}")
         if self.file is None and self.name not in BUILTIN_DOMAINS:
-            raise ConfigError(f"name: {self.name!r} is not a built-in domain {list(BUILTIN_DOMAINS)}; a domain of your own "
-                              "needs a JSONL file (file)")
+            raise ConfigError(
+                f"name: {self.name!r} is not a built-in domain {list(BUILTIN_DOMAINS)}; a domain of your own "
+                "needs a JSONL file (file)"
+            )
         if self.file is not None and not self.file.strip():
             raise ConfigError(f"file: expected the path of a JSONL file, got {self.file!r}")
         if self.file is not None and self.name in BUILTIN_DOMAINS:
-            raise ConfigError(f"file: {self.name!r} is a built-in domain and reads no file; a file's domain needs a name "
-                              "of its own (name)")
+            raise ConfigError(
+                f"file: {self.name!r} is a built-in domain and reads no file; a file's domain needs a name "
+                "of its own (name)"
+            )
         if self.file is None and self.gate_rows is not None:
-            raise ConfigError(f"gate_rows: only for a JSONL domain; built-in {self.name!r} gates on its evaluation split")
+            raise ConfigError(
+                f"gate_rows: only for a JSONL domain; built-in {self.name!r} gates on its evaluation split"
+            )
         if self.gate_rows is not None and self.gate_rows < 1:
             raise ConfigError(f"gate_rows: expected a positive integer, got {self.gate_rows!r}")
         if self.checker not in CHECKERS:
@@ -86,8 +103,10 @@ def resolve_domain(spec: DomainSpec, where: str = "retained.domain") -> Retained
         return spec
     if isinstance(spec, str):
         if spec not in BUILTIN_DOMAINS:
-            raise ConfigError(f"{where}: unknown built-in domain {spec!r}; expected one of {list(BUILTIN_DOMAINS)} "
-                              "or a mapping with name and file")
+            raise ConfigError(
+                f"{where}: unknown built-in domain {spec!r}; expected one of {list(BUILTIN_DOMAINS)} "
+                "or a mapping with name and file"
+            )
         return RetainedDomain(spec)
     if isinstance(spec, dict):
         return build(RetainedDomain, spec, where)
@@ -115,7 +134,9 @@ def validate_domains(specs: list) -> list[RetainedDomain]:
     for i, spec in enumerate(specs):
         domain = validate_domain(spec, i)
         if domain.name in seen:
-            raise ConfigError(f"retained.domains[{i}]: name {domain.name!r} repeats retained.domains[{seen[domain.name]}]")
+            raise ConfigError(
+                f"retained.domains[{i}]: name {domain.name!r} repeats retained.domains[{seen[domain.name]}]"
+            )
         seen[domain.name] = i
         domains.append(domain)
     return domains
@@ -133,13 +154,17 @@ def _file_rows(domain: RetainedDomain) -> dict[str, list[DomainExample]]:
         raise InputError(f"file: {e}") from e
     gate = domain.gate_rows if domain.gate_rows is not None else math.ceil(len(rows) / 2)
     if gate >= len(rows):
-        raise InputError(f"gate_rows: {domain.file} has {len(rows)} rows, and gate_rows={gate} gate on "
-                         f"{'all of them' if gate == len(rows) else 'more than there are'}: none remain to calibrate "
-                         "the atlas (the rows after the gating ones); add rows or lower gate_rows")
+        raise InputError(
+            f"gate_rows: {domain.file} has {len(rows)} rows, and gate_rows={gate} gate on "
+            f"{'all of them' if gate == len(rows) else 'more than there are'}: none remain to calibrate "
+            "the atlas (the rows after the gating ones); add rows or lower gate_rows"
+        )
     return {"gate": rows[:gate], "calibration": rows[gate:]}
 
 
-def domain_contexts(tokenizer: Any, spec: DomainSpec, role: str, limit: int | None = None) -> tuple[list[str], list[str]]:
+def domain_contexts(
+    tokenizer: Any, spec: DomainSpec, role: str, limit: int | None = None
+) -> tuple[list[str], list[str]]:
     """(ids, teacher-forced contexts) of the domain's first `limit` rows in `role` ('gate' or
     'calibration'); the two roles never share a row."""
     if role not in ROLES:

@@ -20,6 +20,7 @@ How it runs:
 - Every run writes its samples to a fresh temporary folder, so EvalPlus never finds and
   silently reuses an old `*_eval_results.json`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -121,11 +122,12 @@ def score_mbpp_plus(
 
 
 def _md5(path: Path) -> str:
-    return hashlib.md5(path.read_bytes()).hexdigest()  # noqa: S324 - EvalPlus's own cache key
+    return hashlib.md5(path.read_bytes()).hexdigest()
 
 
-def _run_worker(samples: Path, problems: Path, cache_home: Path, memory: int, timeout_s: float | None,
-                run_dir: Path) -> dict:
+def _run_worker(
+    samples: Path, problems: Path, cache_home: Path, memory: int, timeout_s: float | None, run_dir: Path
+) -> dict:
     env = dict(os.environ)
     env.pop("EVALPLUS_TIMEOUT_PER_TASK", None)
     env.update(
@@ -140,7 +142,11 @@ def _run_worker(samples: Path, problems: Path, cache_home: Path, memory: int, ti
         # Own session: on timeout the whole tree (worker + checker children) is killed together.
         proc = subprocess.Popen(
             [sys.executable, "-m", "evaluation.evalplus_worker", str(samples)],
-            cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=run_dir,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         try:
             code = proc.wait(timeout=timeout_s)
@@ -169,13 +175,17 @@ def _parse(raw: dict, task_ids: list[str], expected_md5: str, seconds: float) ->
     for task_id in sorted(task_ids, key=_task_number):
         (entry,) = evals[task_id]  # greedy: exactly one sample per problem
         base_ok = entry["base_status"] == "pass"
-        problems.append(ProblemResult(task_id, base_ok and entry["plus_status"] == "pass", base_ok,
-                                      entry["base_status"], entry["plus_status"]))
+        problems.append(
+            ProblemResult(
+                task_id, base_ok and entry["plus_status"] == "pass", base_ok, entry["base_status"], entry["plus_status"]
+            )
+        )
     n = len(problems)
     solved = sum(p.passed for p in problems)
     base_solved = sum(p.base_passed for p in problems)
-    return EvalPlusResult(n, solved, base_solved, 100.0 * solved / n, 100.0 * base_solved / n, problems,
-                          expected_md5, round(seconds, 2))
+    return EvalPlusResult(
+        n, solved, base_solved, 100.0 * solved / n, 100.0 * base_solved / n, problems, expected_md5, round(seconds, 2)
+    )
 
 
 def clear_cache(cache_home: str | Path | None = None) -> None:

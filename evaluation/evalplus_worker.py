@@ -8,6 +8,7 @@ evalplus reads them at import, which is why scoring happens in a fresh process. 
 code only ever runs inside evalplus's own sandboxed checker (a further child per problem,
 with its time limits, memory limit and disabled destructive calls).
 """
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ def main() -> None:
     code = 0
     try:
         evaluate("mbpp", samples=samples, parallel=1)
-    except BaseException:  # noqa: BLE001 - reported to the parent through the exit code and log
+    except BaseException:
         traceback.print_exc()
         code = 1
     sys.stdout.flush()

@@ -18,6 +18,7 @@ depends on the batch it was decoded in, with either loop: the CPU's bf16 kernels
 differently for another number of rows or another padding, and a near-tie then picks another
 token (docs/BENCHMARKS.md counts how many answers that moves).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -102,8 +103,10 @@ class _GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
         if self.keys.dim() < 4 or end > self.keys.shape[-2]:  # (B, H, room, D) buffers, grown by copy
-            self.keys, self.values = (_with_room(old, new, self.length, end + _GROW)
-                                      for old, new in ((self.keys, key_states), (self.values, value_states)))
+            self.keys, self.values = (
+                _with_room(old, new, self.length, end + _GROW)
+                for old, new in ((self.keys, key_states), (self.values, value_states))
+            )
         self.keys[..., self.length : end, :] = key_states
         self.values[..., self.length : end, :] = value_states
         self.length = end
@@ -128,7 +131,9 @@ def _with_room(old: torch.Tensor, like: torch.Tensor, length: int, room: int) ->
 def _cache(model: Any) -> Cache:
     """A growing cache for full-attention models; transformers' own for sliding-window ones."""
     config = model.config.get_text_config(decoder=True)
-    if getattr(config, "sliding_window", None) or set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+    if getattr(config, "sliding_window", None) or set(getattr(config, "layer_types", None) or ["full_attention"]) != {
+        "full_attention"
+    }:
         return DynamicCache(config=model.config)
     return Cache(layer_class_to_replicate=_GrowingLayer)
 
@@ -138,15 +143,17 @@ def _cache_argument(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _greedy_batch(model: Any, input_ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
-                  stops: _Stops) -> list[list[int]]:
+def _greedy_batch(
+    model: Any, input_ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, stops: _Stops
+) -> list[list[int]]:
     """Each row's new tokens (an eos included, as `model.generate` returns it); inputs (B, T) left-padded."""
     cache = _cache(model)
     kv = {_cache_argument(model): cache}
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T): left padding does not shift positions
     with contiguous_head_input(model):
-        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                       logits_to_keep=1, **kv).logits[:, -1]  # (B, V)
+        logits = model(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1, **kv
+        ).logits[:, -1]  # (B, V)
     tokens: list[list[int]] = [[] for _ in range(len(input_ids))]
     running = list(range(len(input_ids)))  # batch row -> input row
     position = positions[:, -1:]  # (B, 1)
@@ -166,8 +173,9 @@ def _greedy_batch(model: Any, input_ids: torch.Tensor, mask: torch.Tensor, max_n
             running = [running[j] for j in keep]
         mask = torch.cat([mask, mask.new_ones(len(running), 1)], dim=1)  # (b, T + step + 1)
         position = position + 1
-        logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position, use_cache=True,
-                       **kv).logits[:, -1]  # (b, V)
+        logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position, use_cache=True, **kv).logits[
+            :, -1
+        ]  # (b, V)
     return tokens
 
 
@@ -229,9 +237,7 @@ def extract_code(completion: str, entry_point: str | None = None) -> str:
     them the first that defines `entry_point`, else the first that defines any function,
     else the first. Without fences, the text from the first line that looks like code
     (def/class/import/from/decorator) on; failing that, the whole completion."""
-    blocks = [
-        body for lang, body in _FENCE.findall(completion) if lang.lower() in ("", "python", "py", "python3")
-    ]
+    blocks = [body for lang, body in _FENCE.findall(completion) if lang.lower() in ("", "python", "py", "python3")]
     if blocks:
         for wanted in ([f"def {entry_point}"] if entry_point else []) + ["def "]:
             for body in blocks:

@@ -12,6 +12,7 @@ A checkpoint then costs layers l+1..L plus two LM-head GEMMs per position, inste
 full forwards. Memory: positions x d x (2 bytes in bf16, 4 in fp32) for each of the two
 caches, e.g. 512 contexts x 300 tokens x 576 x 4 B = 354 MB each for SmolLM2 in fp32.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -48,8 +49,9 @@ def kl_of_log_probs(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
 HEAD_CHUNK = 128
 
 
-def adopted_states(states: Sequence[torch.Tensor], shapes: Sequence[torch.Size],
-                   model: torch.nn.Module) -> list[torch.Tensor]:
+def adopted_states(
+    states: Sequence[torch.Tensor], shapes: Sequence[torch.Size], model: torch.nn.Module
+) -> list[torch.Tensor]:
     """Prefix states (one (B, T, d) tensor per batch of token ids of `shapes`) checked and moved to
     the model's device: states of another batching or another model would be silently wrong."""
     if len(states) != len(shapes):
@@ -71,8 +73,16 @@ class RetainedKL:
     cached, and every pass runs the whole model.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer, contexts: Sequence[str], layer: int,
-                 batch_size: int = 4, max_length: int = 1024, progress: bool = True):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        contexts: Sequence[str],
+        layer: int,
+        batch_size: int = 4,
+        max_length: int = 1024,
+        progress: bool = True,
+    ):
         if not contexts:
             raise ValueError("contexts: expected at least one retained context")
         self.model, self.layer, self.progress = model, layer, progress
@@ -104,8 +114,10 @@ class RetainedKL:
             raise ValueError("the KL runs whole forwards (layer -1): it has no prefix states")
         if self._prefix is None:
             dev = self._device()
-            self._prefix = [hidden_at_layer(self.model, self.layer, ids.to(dev), mask.to(dev))
-                            for ids, mask in tqdm(self.batches, desc="KL prefix cache", disable=not self.progress)]
+            self._prefix = [
+                hidden_at_layer(self.model, self.layer, ids.to(dev), mask.to(dev))
+                for ids, mask in tqdm(self.batches, desc="KL prefix cache", disable=not self.progress)
+            ]
         return self._prefix
 
     def use_prefix(self, states: list[torch.Tensor]) -> None:
@@ -128,7 +140,9 @@ class RetainedKL:
         h = self.prefix()[i]
         if residual is not None:
             if residual.config.layer != self.layer:
-                raise ValueError(f"residual: sits at layer {residual.config.layer}, the prefix cache ends at {self.layer}")
+                raise ValueError(
+                    f"residual: sits at layer {residual.config.layer}, the prefix cache ends at {self.layer}"
+                )
             h = h + residual(h)
         return upper_hidden(self.model, self.layer, h, ids.to(dev), mask.to(dev))
 
@@ -136,8 +150,10 @@ class RetainedKL:
     def reference(self, residual: AtlasResidual | None = None) -> list[torch.Tensor]:
         """The reference's final hidden states per batch: the base model, or a released
         version given by its residual."""
-        return [self._upper(i, residual) for i in tqdm(range(len(self.batches)), desc="KL reference",
-                                                         disable=not self.progress)]
+        return [
+            self._upper(i, residual)
+            for i in tqdm(range(len(self.batches)), desc="KL reference", disable=not self.progress)
+        ]
 
     @torch.no_grad()
     def kl(self, reference: list[torch.Tensor], residual: AtlasResidual | None = None) -> KLResult:
@@ -146,7 +162,9 @@ class RetainedKL:
         return self.kl_many([reference], residual)[0]
 
     @torch.no_grad()
-    def kl_many(self, references: Sequence[list[torch.Tensor]], residual: AtlasResidual | None = None) -> list[KLResult]:
+    def kl_many(
+        self, references: Sequence[list[torch.Tensor]], residual: AtlasResidual | None = None
+    ) -> list[KLResult]:
         """`kl` against several references (e.g. the base and the champion) in one pass: the
         model's layers l+1..L, its LM head and log-softmax run once per batch for all of them,
         and a reference given twice (the same list object) is measured once."""
@@ -173,6 +191,8 @@ class RetainedKL:
                 totals[j] += float(per_row.sum())
                 per_context[j][self.order[row : row + len(mask)]] = per_row / mask.sum(1)
             row += len(mask)
-        results = {id(r): KLResult(mean=t / self.positions, per_context=p.tolist(), positions=self.positions)
-                   for r, t, p in zip(distinct, totals, per_context)}
+        results = {
+            id(r): KLResult(mean=t / self.positions, per_context=p.tolist(), positions=self.positions)
+            for r, t, p in zip(distinct, totals, per_context)
+        }
         return [results[id(r)] for r in references]

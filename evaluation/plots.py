@@ -1,4 +1,5 @@
 """Figures for reports: the KL-vs-target trade-off, churn bars and a line's history, saved as PNG (Agg backend)."""
+
 from __future__ import annotations
 
 import io
@@ -13,13 +14,13 @@ from atlas_core.paths import state_dir
 # matplotlib keeps a font cache; keep it with the project's other state, not in ~/.cache.
 os.environ.setdefault("MPLCONFIGDIR", str(state_dir() / "matplotlib"))
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")  # files only; never needs a display
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from atlas_core.io import atomic_write_bytes  # noqa: E402
-from evaluation.compare import Checkpoint, min_kl_at  # noqa: E402
+from atlas_core.io import atomic_write_bytes
+from evaluation.compare import Checkpoint, min_kl_at
 
 
 def _frontier(checkpoints: Sequence[Checkpoint], direction: str) -> tuple[list[float], list[float]]:
@@ -91,15 +92,19 @@ def tradeoff_plot(
     return _save(fig, path)
 
 
-def churn_bars(churn_by_model: Mapping[str, Mapping[str, float]], path: str | Path,
-               title: str = "Answer churn vs reference") -> Path:
+def churn_bars(
+    churn_by_model: Mapping[str, Mapping[str, float]], path: str | Path, title: str = "Answer churn vs reference"
+) -> Path:
     """Stacked F / G / W rates (share of questions) per model; `churn_by_model[name]` holds
     at least n, F, G, W (e.g. `Churn.as_dict()`)."""
     names = list(churn_by_model)
     fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(names) + 2), 4.0))
     bottom = [0.0] * len(names)
-    for key, label, color in (("F", "F: correct -> wrong", "C3"), ("G", "G: wrong -> correct", "C2"),
-                              ("W", "W: wrong -> other wrong", "C7")):
+    for key, label, color in (
+        ("F", "F: correct -> wrong", "C3"),
+        ("G", "G: wrong -> correct", "C2"),
+        ("W", "W: wrong -> other wrong", "C7"),
+    ):
         heights = [churn_by_model[n][key] / churn_by_model[n]["n"] for n in names]
         ax.bar(names, heights, bottom=bottom, label=label, color=color)
         bottom = [b + h for b, h in zip(bottom, heights)]
@@ -109,8 +114,9 @@ def churn_bars(churn_by_model: Mapping[str, Mapping[str, float]], path: str | Pa
     return _save(fig, path)
 
 
-def history_figure(releases: Sequence[str], panels: Sequence[tuple[str, str, Mapping[str, Sequence[float | None]]]]
-                   ) -> plt.Figure:
+def history_figure(
+    releases: Sequence[str], panels: Sequence[tuple[str, str, Mapping[str, Sequence[float | None]]]]
+) -> plt.Figure:
     """A release line across releases t = 0..T: one axis per panel (title, y label, series label ->
     a value per release, None where nothing was measured), so each axis carries one unit only."""
     t = list(range(len(releases)))
@@ -126,13 +132,14 @@ def history_figure(releases: Sequence[str], panels: Sequence[tuple[str, str, Map
         ax.set_xticks(t, [f"{x}" for x in t])
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         fig.delaxes(ax)
     fig.tight_layout()
     return fig
 
 
-def line_history_plot(releases: Sequence[str], panels: Sequence[tuple[str, str, Mapping[str, Sequence[float | None]]]],
-                      path: str | Path) -> Path:
+def line_history_plot(
+    releases: Sequence[str], panels: Sequence[tuple[str, str, Mapping[str, Sequence[float | None]]]], path: str | Path
+) -> Path:
     """history.png: `history_figure` saved (the panels of flows.history.LineHistory.panels)."""
     return _save(history_figure(releases, panels), path)

@@ -6,6 +6,7 @@ appends a plain-text cue that starts the answer ("```python", "Answer:"). The sa
 message text is what a retained set stores as its `prompt`, so generation and retained-KL
 contexts see identical prompts.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -52,10 +53,7 @@ def choice_message(stem: str, texts: Sequence[str], labels: Sequence[str] = CSQA
     if len(texts) != len(labels):
         raise ValueError(f"{len(texts)} option texts for {len(labels)} labels")
     options = "\n".join(f"{label}. {text}" for label, text in zip(labels, texts))
-    return (
-        f"Question: {stem.strip()}\n{options}\n"
-        f"Reply with the letter of the correct option ({', '.join(labels)})."
-    )
+    return f"Question: {stem.strip()}\n{options}\nReply with the letter of the correct option ({', '.join(labels)})."
 
 
 # What a plain-text (no chat template) model sees after the message: a cue that starts the answer.

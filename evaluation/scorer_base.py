@@ -10,6 +10,7 @@ problem id. The ledger keeps only `answer` and `correct` per (dataset, problem),
 Options are a dataclass per scorer, parsed by `parse_options`: unknown keys and wrong types
 are refused, and every error names `options.<key>` (build_scorer prefixes `target.`).
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -20,6 +20,7 @@ every skill's scorer before any training starts. `check_scorer` is what an updat
 runs when it loads: the same checks, except that a user's module is not imported yet.
 A user scorer that breaks its contract while scoring raises InputError naming it.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -41,8 +42,9 @@ SCORERS: tuple[str, ...] = tuple(BUILTIN_SCORERS)
 def build_scorer(name: str, options: dict | None = None) -> TargetScorer:
     """The scorer `name` (a built-in, or "package.module:Factory") with `options`."""
     if not isinstance(name, str) or not name.strip():
-        raise ConfigError(f"target.scorer: expected a scorer name, one of {list(SCORERS)} or "
-                          f"'package.module:Factory', got {name!r}")
+        raise ConfigError(
+            f"target.scorer: expected a scorer name, one of {list(SCORERS)} or 'package.module:Factory', got {name!r}"
+        )
     if options is not None and not isinstance(options, dict):
         raise ConfigError(f"target.options: expected a mapping of option names to values, got {options!r}")
     if name in BUILTIN_SCORERS:
@@ -55,8 +57,9 @@ def build_scorer(name: str, options: dict | None = None) -> TargetScorer:
         return _user_scorer(name, options or {})
     close = difflib.get_close_matches(name, SCORERS, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ConfigError(f"target.scorer: unknown scorer {name!r}{hint}; expected one of {list(SCORERS)} "
-                      "or 'package.module:Factory'")
+    raise ConfigError(
+        f"target.scorer: unknown scorer {name!r}{hint}; expected one of {list(SCORERS)} or 'package.module:Factory'"
+    )
 
 
 def check_scorer(name: str, options: dict | None = None) -> None:
@@ -85,8 +88,9 @@ def _user_scorer(spec: str, options: dict) -> UserScorer:
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or whatever the module raises while it is imported
-        raise ConfigError(f"target.scorer: cannot import module {module_name!r} of {spec!r} "
-                          f"({type(e).__name__}: {e})") from e
+        raise ConfigError(
+            f"target.scorer: cannot import module {module_name!r} of {spec!r} ({type(e).__name__}: {e})"
+        ) from e
     factory = getattr(module, attr, None)
     if factory is None:
         raise ConfigError(f"target.scorer: module {module_name!r} has no attribute {attr!r}")
@@ -139,8 +143,10 @@ class UserScorer(TargetScorer):
             if not callable(getattr(inner, method, None)):
                 problems.append(f"{method} is not a method")
         if problems:
-            raise ConfigError(f"target.scorer: {spec} made a {type(inner).__name__} that is not a TargetScorer: "
-                              + "; ".join(problems))
+            raise ConfigError(
+                f"target.scorer: {spec} made a {type(inner).__name__} that is not a TargetScorer: "
+                + "; ".join(problems)
+            )
         self.spec, self.inner = spec, inner
         self.name, self.dataset = inner.name, inner.dataset
         self.higher_is_better, self.aggregate = inner.higher_is_better, inner.aggregate
@@ -156,8 +162,9 @@ class UserScorer(TargetScorer):
     def score(self, model: Any, tokenizer: Any) -> dict[str, ProblemScore]:
         got = self.inner.score(model, tokenizer)
         if not isinstance(got, dict):
-            raise InputError(f"{self.spec}: score() must return a dict of problem id -> ProblemScore, "
-                             f"got {type(got).__name__}")
+            raise InputError(
+                f"{self.spec}: score() must return a dict of problem id -> ProblemScore, got {type(got).__name__}"
+            )
         ids = self.problem_ids()
         extra = sorted(set(got) - set(ids))
         if extra:
@@ -171,11 +178,15 @@ class UserScorer(TargetScorer):
         if not isinstance(s, ProblemScore):
             raise InputError(f"{self.spec}: score()[{q!r}] is a {type(s).__name__}, expected a ProblemScore")
         if self.aggregate == "sum" and s.value != float(s.correct):
-            raise InputError(f"{self.spec}: score()[{q!r}].value is {s.value!r}; a 'sum' scorer's value is 1.0 "
-                             f"when correct, else 0.0 (correct is {s.correct})")
+            raise InputError(
+                f"{self.spec}: score()[{q!r}].value is {s.value!r}; a 'sum' scorer's value is 1.0 "
+                f"when correct, else 0.0 (correct is {s.correct})"
+            )
         if self.aggregate == "mean" and not _holds(s.answer, s.value):
-            raise InputError(f"{self.spec}: score()[{q!r}].answer is {s.answer!r}; a 'mean' scorer writes its value "
-                             f"({s.value!r}) as the answer, the only number the ledger keeps")
+            raise InputError(
+                f"{self.spec}: score()[{q!r}].answer is {s.answer!r}; a 'mean' scorer writes its value "
+                f"({s.value!r}) as the answer, the only number the ledger keeps"
+            )
 
 
 def _holds(answer: str | None, value: float) -> bool:

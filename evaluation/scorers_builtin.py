@@ -15,6 +15,7 @@ The teacher-forced scorers render a (prompt, response) pair exactly as the train
 (`atlas_core.train.prepare_data`), so "the NLL of the reference" is the training loss of
 that pair: one right-padded batched forward per batch, logits only at response positions.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,10 +30,29 @@ from atlas_core.errors import InputError
 from atlas_core.train import TrainConfig, collate, prepare_data, render_chat
 from atlas_core.typed_config import field
 from evaluation.answers import CHECKERS, grade_answer
-from evaluation.data import GSM8K_FILES, CSQA_FILES, MBPP_SPLITS, gsm8k_pairs, load_csqa, load_gsm8k, load_mbpp_plus, mbpp_pairs
+from evaluation.data import (
+    CSQA_FILES,
+    GSM8K_FILES,
+    MBPP_SPLITS,
+    gsm8k_pairs,
+    load_csqa,
+    load_gsm8k,
+    load_mbpp_plus,
+    mbpp_pairs,
+)
 from evaluation.generate import generate
-from evaluation.scorer_base import (ProblemScore, TargetScorer, existing_file, file_tag, in_order, limit_tag, mean_score,
-                                    one_of, positive, solved)
+from evaluation.scorer_base import (
+    ProblemScore,
+    TargetScorer,
+    existing_file,
+    file_tag,
+    in_order,
+    limit_tag,
+    mean_score,
+    one_of,
+    positive,
+    solved,
+)
 from evaluation.tasks import eval_csqa_choice, eval_gsm8k, eval_mbpp_plus
 from evaluation.userdata import load_answer_jsonl, load_skill_jsonl
 
@@ -46,8 +66,11 @@ def _first(rows: list, limit: int | None) -> list:
 class MbppPlusOptions:
     limit: int | None = field("First N MBPP+ test problems (null: all 224).", 16)
     max_new_tokens: int = field("Greedy generation budget per problem (it also stops at the closing code fence).", 256)
-    batch_size: int = field("Prompts decoded together (a finished one leaves the batch, so more cost little; "
-                            "in bf16 the batch changes the rounding, see evaluation/generate.py).", 32)
+    batch_size: int = field(
+        "Prompts decoded together (a finished one leaves the batch, so more cost little; "
+        "in bf16 the batch changes the rounding, see evaluation/generate.py).",
+        32,
+    )
 
     def __post_init__(self) -> None:
         positive(self, "limit", "max_new_tokens", "batch_size")
@@ -76,10 +99,14 @@ class MbppPlusScorer(TargetScorer):
 class Gsm8kOptions:
     split: str = field(f"GSM8K split, one of {list(GSM8K_FILES)}.", "test")
     limit: int | None = field("First N questions of the split (null: all).", 16)
-    max_new_tokens: int = field("Greedy generation budget per question (it also stops once 'The answer is N' is written).",
-                                192)
-    batch_size: int = field("Prompts decoded together (a finished one leaves the batch, so more cost little; "
-                            "in bf16 the batch changes the rounding, see evaluation/generate.py).", 32)
+    max_new_tokens: int = field(
+        "Greedy generation budget per question (it also stops once 'The answer is N' is written).", 192
+    )
+    batch_size: int = field(
+        "Prompts decoded together (a finished one leaves the batch, so more cost little; "
+        "in bf16 the batch changes the rounding, see evaluation/generate.py).",
+        32,
+    )
 
     def __post_init__(self) -> None:
         one_of("split", self.split, list(GSM8K_FILES))
@@ -109,8 +136,9 @@ class Gsm8kAccuracyScorer(_BenchmarkScorer):
 
     def answers(self, model: Any, tokenizer: Any) -> list:
         o = self.options
-        return eval_gsm8k(model, tokenizer, split=o.split, limit=o.limit, max_new_tokens=o.max_new_tokens,
-                          batch_size=o.batch_size).answers
+        return eval_gsm8k(
+            model, tokenizer, split=o.split, limit=o.limit, max_new_tokens=o.max_new_tokens, batch_size=o.batch_size
+        ).answers
 
 
 @dataclass
@@ -141,14 +169,23 @@ class CsqaChoiceScorer(_BenchmarkScorer):
 
 @dataclass
 class ExactMatchOptions:
-    file: str = field("JSONL answer set: rows with id, prompt and answer (a retained set, or a retained domain whose "
-                      "rows all have an answer; evaluation/userdata.py).", "")
+    file: str = field(
+        "JSONL answer set: rows with id, prompt and answer (a retained set, or a retained domain whose "
+        "rows all have an answer; evaluation/userdata.py).",
+        "",
+    )
     limit: int | None = field("First N rows of the file (null: all).", None)
     max_new_tokens: int = field("Greedy generation budget per prompt.", 64)
-    batch_size: int = field("Prompts decoded together (a finished one leaves the batch, so more cost little; "
-                            "in bf16 the batch changes the rounding, see evaluation/generate.py).", 32)
-    checker: str = field(f"How a completion is graded, one of {CHECKERS}: 'exact' compares the whole completion with "
-                         "the answer after whitespace/case normalisation; 'number' compares final numbers.", "exact")
+    batch_size: int = field(
+        "Prompts decoded together (a finished one leaves the batch, so more cost little; "
+        "in bf16 the batch changes the rounding, see evaluation/generate.py).",
+        32,
+    )
+    checker: str = field(
+        f"How a completion is graded, one of {CHECKERS}: 'exact' compares the whole completion with "
+        "the answer after whitespace/case normalisation; 'number' compares final numbers.",
+        "exact",
+    )
 
     def __post_init__(self) -> None:
         existing_file("file", self.file)
@@ -197,8 +234,9 @@ class ResponseStats:
 
 
 @torch.no_grad()
-def response_stats(model: Any, tokenizer: Any, pairs: list[dict], batch_size: int = 8,
-                   max_length: int = 2048) -> dict[str, ResponseStats]:
+def response_stats(
+    model: Any, tokenizer: Any, pairs: list[dict], batch_size: int = 8, max_length: int = 2048
+) -> dict[str, ResponseStats]:
     """Teacher-forced statistics of each pair's response given its prompt, keyed by pair id.
 
     Pairs are tokenised by the trainer's own `prepare_data` (chat rendering, over-long
@@ -225,8 +263,10 @@ def response_stats(model: Any, tokenizer: Any, pairs: list[dict], batch_size: in
     return out
 
 
-_SOURCE_HELP = ("Held-out (prompt, response) pairs: 'gsm8k' (math prompt -> reference solution ending 'The answer is N.'), "
-                "'mbpp' (code prompt -> reference code) or a JSONL skill file (prompt/response).")
+_SOURCE_HELP = (
+    "Held-out (prompt, response) pairs: 'gsm8k' (math prompt -> reference solution ending 'The answer is N.'), "
+    "'mbpp' (code prompt -> reference code) or a JSONL skill file (prompt/response)."
+)
 
 
 @dataclass
@@ -244,8 +284,10 @@ class PairOptions:
         else:
             existing_file("source", self.source)
             if self.split is not None:
-                raise InputError(f"options.split: only for the built-in sources {list(PAIR_SOURCES)}; a file is "
-                                 f"read whole, got split {self.split!r}")
+                raise InputError(
+                    f"options.split: only for the built-in sources {list(PAIR_SOURCES)}; a file is "
+                    f"read whole, got split {self.split!r}"
+                )
         positive(self, "limit", "batch_size", "max_length")
 
 
@@ -260,7 +302,9 @@ class _PairScorer(TargetScorer):
         else:
             path = existing_file("source", o.source)
             try:
-                self._file_pairs = [{"prompt": e.prompt, "response": e.response, "id": e.id} for e in load_skill_jsonl(path)]
+                self._file_pairs = [
+                    {"prompt": e.prompt, "response": e.response, "id": e.id} for e in load_skill_jsonl(path)
+                ]
             except ValueError as e:
                 raise InputError(f"options.source: {e}") from e
             where = file_tag(path)
@@ -291,7 +335,9 @@ class ReferenceNLLOptions(PairOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.solved_below > 0:
-            raise InputError(f"options.solved_below: expected a positive number of nats/token, got {self.solved_below!r}")
+            raise InputError(
+                f"options.solved_below: expected a positive number of nats/token, got {self.solved_below!r}"
+            )
 
 
 class ReferenceNLLScorer(_PairScorer):
@@ -310,8 +356,10 @@ class ReferenceNLLScorer(_PairScorer):
         ids = self.problem_ids()
         dropped = [q for q in ids if q not in stats]
         if dropped:  # a mean over the rest would silently change what is measured
-            raise InputError(f"reference-nll: {len(dropped)} pair(s) have no response token within options.max_length="
-                             f"{self.options.max_length}: {dropped[:5]}; raise max_length or shorten their prompts")
+            raise InputError(
+                f"reference-nll: {len(dropped)} pair(s) have no response token within options.max_length="
+                f"{self.options.max_length}: {dropped[:5]}; raise max_length or shorten their prompts"
+            )
         return {q: mean_score(stats[q].nll, stats[q].nll < self.options.solved_below) for q in ids}
 
 
@@ -342,6 +390,13 @@ class ResponseMatchScorer(_PairScorer):
 
 
 BUILTIN_SCORERS: dict[str, type[TargetScorer]] = {
-    cls.name: cls for cls in (MbppPlusScorer, Gsm8kAccuracyScorer, CsqaChoiceScorer, ExactMatchScorer,
-                              ReferenceNLLScorer, ResponseMatchScorer)
+    cls.name: cls
+    for cls in (
+        MbppPlusScorer,
+        Gsm8kAccuracyScorer,
+        CsqaChoiceScorer,
+        ExactMatchScorer,
+        ReferenceNLLScorer,
+        ResponseMatchScorer,
+    )
 }

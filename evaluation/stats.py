@@ -13,6 +13,7 @@ of a one-sided bound, alpha = 1 - c.
 
 scipy is imported inside the functions: importing this module stays free.
 """
+
 from __future__ import annotations
 
 import math

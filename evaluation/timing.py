@@ -4,6 +4,7 @@ training per candidate, publishing), summed per process until taken.
 Code times a step with `with phase("KL csqa"): ...`; flows.update takes the table once per
 cycle and reports it next to the stage-level one, so a user sees where a cycle's time goes.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -4,6 +4,7 @@ For tests and smoke runs of the evaluation code: nothing is downloaded. The toke
 trained on a handful of strings, so every byte is encodable and decoding round-trips; the
 chat template is a minimal one (<|user|> ... <|assistant|>).
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,11 +33,17 @@ def tiny_tokenizer(chat: bool = True, vocab_size: int = 400) -> PreTrainedTokeni
     bpe.decoder = decoders.ByteLevel()
     specials = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     bpe.train_from_iterator(_CORPUS * 4, trainer=trainer)
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        tokenizer_object=bpe,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
         additional_special_tokens=specials[3:],
     )
     if chat:
@@ -48,9 +55,16 @@ def tiny_llama(vocab_size: int, seed: int = 0, hidden_size: int = 64, layers: in
     """A random 2-layer Llama in float32, eval mode."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     return LlamaForCausalLM(config).eval()
 

@@ -29,6 +29,7 @@ Rules, checked on load with an error that names the file, the line and the field
 `prompt` is the user's message; chat formatting is applied later (evaluation.prompts),
 so the same file works for base and chat models.
 """
+
 from __future__ import annotations
 
 import json
@@ -162,5 +163,7 @@ def load_domain_jsonl(path: str | Path) -> list[DomainExample]:
 
 def load_answer_jsonl(path: str | Path) -> list[RetainedExample]:
     """Read an answer set: a retained set, or a retained domain whose rows all have `answer`."""
-    return [RetainedExample(row["id"], row["prompt"], row["answer"], row.get("meta", {}))
-            for _, row in _rows(Path(path), _ANSWER_FIELDS)]
+    return [
+        RetainedExample(row["id"], row["prompt"], row["answer"], row.get("meta", {}))
+        for _, row in _rows(Path(path), _ANSWER_FIELDS)
+    ]

@@ -16,6 +16,7 @@ configs/policy/). Where state lives: flows/platform.py; the process resources th
 look up by value (backbone, deltas, atlases, KL caches): flows/runtime.py. Importing this package points
 Prefect's home at the project state folder (unless PREFECT_HOME is set).
 """
+
 from .platform import configure_environment
 
 configure_environment()

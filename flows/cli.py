@@ -9,6 +9,7 @@ Errors: bad input (`atlas_core.errors.InputError`, a stored file failing its che
 refusals, a path that is missing or unreadable) is one line `atlas CMD: error: ...` on stderr and
 exit status 2; any other exception is a bug and keeps its traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,23 +41,37 @@ def add_fit_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="atlas", description="The continual-update platform: ATLAS residuals, "
-                                     "retained-KL gates, versioned releases.")
+    parser = argparse.ArgumentParser(
+        prog="atlas",
+        description="The continual-update platform: ATLAS residuals, retained-KL gates, versioned releases.",
+    )
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--backbone", default="smollm2-135m", help="built-in alias, local folder or hub id (default: %(default)s)")
-    common.add_argument("--dtype", default="auto", choices=DTYPES,
-                        help="model dtype; auto: bfloat16 where the hardware has it natively, else float32 (default: %(default)s)")
+    common.add_argument(
+        "--backbone", default="smollm2-135m", help="built-in alias, local folder or hub id (default: %(default)s)"
+    )
+    common.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="model dtype; auto: bfloat16 where the hardware has it natively, else float32 (default: %(default)s)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("backbone", parents=[common], help="load (and on first use convert) the backbone; print what it is")
+    p = sub.add_parser(
+        "backbone", parents=[common], help="load (and on first use convert) the backbone; print what it is"
+    )
     p.set_defaults(func=_method("cmd_backbone"))
 
-    p = sub.add_parser("fit-atlas", parents=[common], help="extract layer-l activations from retained contexts and fit an atlas")
+    p = sub.add_parser(
+        "fit-atlas", parents=[common], help="extract layer-l activations from retained contexts and fit an atlas"
+    )
     add_fit_args(p)
     p.add_argument("--out", default=None, help="atlas file (.safetensors; a .json manifest is written beside it)")
     p.set_defaults(func=_method("cmd_fit_atlas"))
 
-    p = sub.add_parser("demo", parents=[common], help="fit an atlas, attach an ATLAS residual, check B=0 is exact, measure retained KL")
+    p = sub.add_parser(
+        "demo", parents=[common], help="fit an atlas, attach an ATLAS residual, check B=0 is exact, measure retained KL"
+    )
     add_fit_args(p)
     p.add_argument("--contexts", type=int, default=16, help="GSM8K contexts for the KL check")
     p.add_argument("--b-std", type=float, default=0.01, help="std of the random B for the KL check")

@@ -11,6 +11,7 @@ milliseconds). `rollback_champion` is the one function the command and the `roll
 mode (no server) only with `--prefect`, which reads the local database in-process (Prefect's
 server models: seconds of imports, but no server is started).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,8 +77,14 @@ def prefect_server() -> bool:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from registry import alias_holder, base_version, ensure_backbone, latest_evaluation, recent_decisions, \
-        recent_training_runs
+    from registry import (
+        alias_holder,
+        base_version,
+        ensure_backbone,
+        latest_evaluation,
+        recent_decisions,
+        recent_training_runs,
+    )
 
     p = _platform()
     try:
@@ -87,8 +94,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         champion = alias_holder(p.ledger, model.id) or base_version(p.ledger, model.id)
         ev = latest_evaluation(p.ledger, champion.id)
         target = f", target {ev.target_solved}/{ev.target_total}" if ev else ""
-        print(f"\nmodel      {model.name}\nchampion   {champion.name} (#{champion.id}, MLflow version "
-              f"{champion.mlflow_version or '-'}{target})")
+        print(
+            f"\nmodel      {model.name}\nchampion   {champion.name} (#{champion.id}, MLflow version "
+            f"{champion.mlflow_version or '-'}{target})"
+        )
         print(f"report     {latest_report(p.state, model.name) or '-'}")
         print("\nlast gate decisions:")
         for did, name, passed, policy, when in recent_decisions(p.ledger, model.id, args.limit):
@@ -104,8 +113,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         print("\n" + prefect_status(args.limit))
     elif not args.no_prefect:
-        print("\nPrefect (flow 'update'): local mode, not read (that takes seconds); `atlas status --prefect` "
-              "reads its flow runs")
+        print(
+            "\nPrefect (flow 'update'): local mode, not read (that takes seconds); `atlas status --prefect` "
+            "reads its flow runs"
+        )
     return 0
 
 
@@ -135,8 +146,10 @@ def cmd_history(args: argparse.Namespace) -> int:
         print(format_history(rows, markdown=args.markdown) if rows else "no releases yet")
         champion = alias_holder(p.ledger, model.id)
         if champion is not None:
-            print(f"\nthe line up to {champion.name}: score matrix R[t][i], OP_t, BWT_t (TRACE, on one 0-1 scale), "
-                  "KL vs base and vs teacher\n")
+            print(
+                f"\nthe line up to {champion.name}: score matrix R[t][i], OP_t, BWT_t (TRACE, on one 0-1 scale), "
+                "KL vs base and vs teacher\n"
+            )
             print(line_history(p.ledger, model.id, champion.id).to_markdown())
     finally:
         p.close()
@@ -150,8 +163,10 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     finally:
         p.close()
     r = done.release
-    print(f"{done.model}: champion rolled back to {done.champion} (release #{r.id}, version id {r.version_id}, "
-          f"previous {r.previous_version_id}); reason recorded: {args.reason}")
+    print(
+        f"{done.model}: champion rolled back to {done.champion} (release #{r.id}, version id {r.version_id}, "
+        f"previous {r.previous_version_id}); reason recorded: {args.reason}"
+    )
     return 0
 
 
@@ -166,17 +181,21 @@ def cmd_renominate(args: argparse.Namespace) -> int:
         release = renominate(p.ledger, version.id, args.reason)
     finally:
         p.close()
-    print(f"{model.name}: {version.name} re-nominated (release #{release.id}); a later cycle gates it again "
-          f"against the champion; reason recorded: {args.reason}")
+    print(
+        f"{model.name}: {version.name} re-nominated (release #{release.id}); a later cycle gates it again "
+        f"against the champion; reason recorded: {args.reason}"
+    )
     return 0
 
 
 def print_checks(checks) -> None:
     width = max(len(c.name) for c in checks)
     for c in checks:
-        fmt = lambda v: "missing" if v is None else f"{v:.4g}"  # noqa: E731
-        print(f"  {'ok  ' if c.passed else 'FAIL'} {c.name:{width}s}  measured {fmt(c.measured):>10s}  "
-              f"limit {fmt(c.threshold):>8s}  {c.detail}")
+        fmt = lambda v: "missing" if v is None else f"{v:.4g}"
+        print(
+            f"  {'ok  ' if c.passed else 'FAIL'} {c.name:{width}s}  measured {fmt(c.measured):>10s}  "
+            f"limit {fmt(c.threshold):>8s}  {c.detail}"
+        )
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
@@ -198,11 +217,23 @@ def cmd_gate(args: argparse.Namespace) -> int:
             return 1
         against = get_version(p.ledger, decision.release_version_id).name if decision.release_version_id else "base"
         if args.json:
-            print(json.dumps({"version": version.name, "passed": decision.passed, "policy": decision.policy_name,
-                              "against": against, "checks": [c.__dict__ for c in decision.checks]}, indent=2))
+            print(
+                json.dumps(
+                    {
+                        "version": version.name,
+                        "passed": decision.passed,
+                        "policy": decision.policy_name,
+                        "against": against,
+                        "checks": [c.__dict__ for c in decision.checks],
+                    },
+                    indent=2,
+                )
+            )
             return 0
-        print(f"{version.name}: {'PASS' if decision.passed else 'REJECT'} by policy {decision.policy_name} "
-              f"(decision #{decision.id}, {decision.created_at:%Y-%m-%d %H:%M:%S}, measured against {against})")
+        print(
+            f"{version.name}: {'PASS' if decision.passed else 'REJECT'} by policy {decision.policy_name} "
+            f"(decision #{decision.id}, {decision.created_at:%Y-%m-%d %H:%M:%S}, measured against {against})"
+        )
         print_checks(decision.checks)
     finally:
         p.close()
@@ -211,19 +242,29 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 def add_commands(sub, common: argparse.ArgumentParser, model: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The operational commands' parsers; returns `gate`'s (flows/cli_release.py adds `gate check`)."""
-    p = sub.add_parser("status", parents=[common, model], help="champion, last gate decisions and runs, next scheduled run",
-                       description="The line's champion, its last gate decisions and training runs, from the ledger. "
-                       "Prefect's `update` flow runs (the next scheduled one, the last ones) are read from a Prefect "
-                       "server (PREFECT_API_URL) by default; in local mode (no server) only with --prefect, which reads "
-                       "Prefect's database under the state folder in this process: no server is started, but its "
-                       "imports take seconds, and `atlas status` otherwise answers in about one.")
+    p = sub.add_parser(
+        "status",
+        parents=[common, model],
+        help="champion, last gate decisions and runs, next scheduled run",
+        description="The line's champion, its last gate decisions and training runs, from the ledger. "
+        "Prefect's `update` flow runs (the next scheduled one, the last ones) are read from a Prefect "
+        "server (PREFECT_API_URL) by default; in local mode (no server) only with --prefect, which reads "
+        "Prefect's database under the state folder in this process: no server is started, but its "
+        "imports take seconds, and `atlas status` otherwise answers in about one.",
+    )
     p.add_argument("--limit", type=int, default=5, help="rows per list")
-    p.add_argument("--prefect", action="store_true", help="also read Prefect's flow runs in local mode (no "
-                   "PREFECT_API_URL): from its database under the state folder, in this process (no server is "
-                   "started; the imports take seconds). With a Prefect server they are read by default")
+    p.add_argument(
+        "--prefect",
+        action="store_true",
+        help="also read Prefect's flow runs in local mode (no "
+        "PREFECT_API_URL): from its database under the state folder, in this process (no server is "
+        "started; the imports take seconds). With a Prefect server they are read by default",
+    )
     p.add_argument("--no-prefect", action="store_true", help="skip the Prefect query, even with a Prefect server")
     p.set_defaults(func=cmd_status)
-    p = sub.add_parser("compare", parents=[common, model], help="compare version B against version A from stored records")
+    p = sub.add_parser(
+        "compare", parents=[common, model], help="compare version B against version A from stored records"
+    )
     p.add_argument("a", help="reference version: base, champion, candidate, a version name, mlflow:<n> or #<id>")
     p.add_argument("b", help="compared version (same forms)")
     p.add_argument("--format", default="text", choices=["text", "markdown", "json"])
@@ -231,16 +272,25 @@ def add_commands(sub, common: argparse.ArgumentParser, model: argparse.ArgumentP
     p = sub.add_parser("history", parents=[common, model], help="every release of the model with its key metrics")
     p.add_argument("--markdown", action="store_true")
     p.set_defaults(func=cmd_history)
-    p = sub.add_parser("rollback", parents=[common, model], help="move champion back to the previous holder (or the "
-                       "base) and retire the version rolled back; exit 2 when nobody holds champion")
+    p = sub.add_parser(
+        "rollback",
+        parents=[common, model],
+        help="move champion back to the previous holder (or the "
+        "base) and retire the version rolled back; exit 2 when nobody holds champion",
+    )
     p.add_argument("--reason", required=True, help="why (recorded in the ledger and shown in history)")
     p.set_defaults(func=cmd_rollback)
-    p = sub.add_parser("renominate", parents=[common, model], help="make a rolled-back (retired) version a candidate again")
+    p = sub.add_parser(
+        "renominate", parents=[common, model], help="make a rolled-back (retired) version a candidate again"
+    )
     p.add_argument("version", help="version: name, mlflow:<n> or #<id>")
     p.add_argument("--reason", required=True, help="why (recorded in the ledger)")
     p.set_defaults(func=cmd_renominate)
-    p = sub.add_parser("gate", parents=[common, model], help="explain a version's gate decision check by check "
-                       "(--explain), or gate a candidate now (gate check)")
+    p = sub.add_parser(
+        "gate",
+        parents=[common, model],
+        help="explain a version's gate decision check by check (--explain), or gate a candidate now (gate check)",
+    )
     p.add_argument("--explain", default=None, metavar="VERSION", help="version: name, champion, mlflow:<n> or #<id>")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_gate)

@@ -1,6 +1,7 @@
 """The cycle commands of `atlas`: update, serve, submit, gate check (and, from flows/cli_ops.py, the
 operational commands status, compare, history, gate --explain, rollback, renominate; from
 flows/cli_use.py, generate and export)."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,8 +10,14 @@ import json
 from .cli_ops import print_checks
 
 
-def _check_cycle_files(config: str, policy: str, backbone: str | None = None, skill: str | None = None,
-                       line: str | None = None, snapshot: str | None = None):
+def _check_cycle_files(
+    config: str,
+    policy: str,
+    backbone: str | None = None,
+    skill: str | None = None,
+    line: str | None = None,
+    snapshot: str | None = None,
+):
     """A cycle's config, policy and snapshot (the `update` flow's parameters), validated before
     Prefect starts: a typo is reported at once, and nothing is opened or written."""
     from .config import load_update_config
@@ -28,19 +35,30 @@ def cmd_update(args: argparse.Namespace) -> int:
     _check_cycle_files(args.config, args.policy, args.backbone, args.skill, args.line, args.snapshot)
     from .update import update
 
-    result = update(config=args.config, policy=args.policy, backbone=args.backbone, skill=args.skill,
-                    snapshot=args.snapshot, line=args.line)
+    result = update(
+        config=args.config,
+        policy=args.policy,
+        backbone=args.backbone,
+        skill=args.skill,
+        snapshot=args.snapshot,
+        line=args.line,
+    )
     if result["outcome"] == "idle":
         print(f"\n{result['model']}: idle: {result['reason']} (champion: {result['champion']})")
         return 0
     verdicts = ", ".join(f"{name}: {'pass' if ok else 'reject'}" for name, ok in result["candidates"].items())
-    print(f"\n{result['model']}: {'PROMOTED ' + result['champion'] if result['promoted'] else 'not promoted'}"
-          f" (champion before: {result['previous_champion']}, now: {result['champion']})")
+    print(
+        f"\n{result['model']}: {'PROMOTED ' + result['champion'] if result['promoted'] else 'not promoted'}"
+        f" (champion before: {result['previous_champion']}, now: {result['champion']})"
+    )
     print(f"candidates: {verdicts or 'none new'}")
     print(f"report:     {result['report']}")
     print("time:       " + ", ".join(f"{phase} {sec:.0f} s" for phase, sec in result["seconds"].items()))
-    print(f"MLflow UI:  .venv/bin/mlflow ui --backend-store-uri sqlite:///{result['state']}/mlflow/mlflow.db"
-          if "ATLAS_MLFLOW_TRACKING_URI" not in __import__("os").environ else "MLflow UI:  your tracking server")
+    print(
+        f"MLflow UI:  .venv/bin/mlflow ui --backend-store-uri sqlite:///{result['state']}/mlflow/mlflow.db"
+        if "ATLAS_MLFLOW_TRACKING_URI" not in __import__("os").environ
+        else "MLflow UI:  your tracking server"
+    )
     print(f"details:    atlas status / atlas history / atlas gate --explain VERSION  (--model {result['model']})")
     return 0
 
@@ -48,8 +66,16 @@ def cmd_update(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .serve import serve_update, serving_plan
 
-    plan = serving_plan(args.deployment, args.cron, config=args.config, policy=args.policy, backbone=args.backbone,
-                        skill=args.skill, line=args.line, snapshot=args.snapshot)
+    plan = serving_plan(
+        args.deployment,
+        args.cron,
+        config=args.config,
+        policy=args.policy,
+        backbone=args.backbone,
+        skill=args.skill,
+        line=args.line,
+        snapshot=args.snapshot,
+    )
     for d in plan:  # every served cycle's files, validated before anything is served
         _check_cycle_files(**d["parameters"])
     serve_update(plan)
@@ -59,14 +85,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_submit(args: argparse.Namespace) -> int:
     from .submit import submit_candidate
 
-    s = submit_candidate(args.source, args.line, parent=args.parent, skill=args.skill, name=args.name,
-                         backbone=args.backbone)
+    s = submit_candidate(
+        args.source, args.line, parent=args.parent, skill=args.skill, name=args.name, backbone=args.backbone
+    )
     if args.json:
         print(json.dumps(s.__dict__, indent=2))
         return 0
     said = "submitted" if s.new else "already submitted (nothing recorded again)"
-    print(f"{s.model}: {said}: {s.version} (#{s.version_id}), a {s.kind} delta on top of {s.parent}, "
-          f"sha256 {s.sha256[:16]}")
+    print(
+        f"{s.model}: {said}: {s.version} (#{s.version_id}), a {s.kind} delta on top of {s.parent}, "
+        f"sha256 {s.sha256[:16]}"
+    )
     print(f"next: atlas gate check {s.version} --config CONFIG --policy POLICY [--promote]")
     return 0
 
@@ -108,9 +137,15 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     from .platform import DEFAULT_CONFIG, DEFAULT_POLICY
 
     model = argparse.ArgumentParser(add_help=False)
-    model.add_argument("--line", "--skill", dest="line", default="assistant",
-                       help="release line of the registered model (default: %(default)s)")
+    model.add_argument(
+        "--line",
+        "--skill",
+        dest="line",
+        default="assistant",
+        help="release line of the registered model (default: %(default)s)",
+    )
     model.add_argument("--model", default=None, help="registered model name (default: <backbone>.<line>)")
+
     def cycle(config: str | None, policy: str | None) -> argparse.ArgumentParser:
         """A cycle's arguments; a parser of its own per command, since argparse shares a parent's
         actions (set_defaults on one command would change the other's defaults)."""
@@ -120,19 +155,34 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
         c.add_argument("--backbone", default=None, help="override the config's backbone")
         c.add_argument("--skill", default=None, help="override the config's skill")
         c.add_argument("--line", default=None, help="override the config's release line")
-        c.add_argument("--snapshot", default=None,
-                       help="the skill's training data: a JSONL file, or a folder whose newest complete snapshot "
-                       "(last *.jsonl by name) is taken")
+        c.add_argument(
+            "--snapshot",
+            default=None,
+            help="the skill's training data: a JSONL file, or a folder whose newest complete snapshot "
+            "(last *.jsonl by name) is taken",
+        )
         return c
 
-    p = sub.add_parser("update", parents=[cycle(DEFAULT_CONFIG, DEFAULT_POLICY)], help="run one update cycle now: "
-                       "atlas, training, evaluation, gate, promotion, report")
+    p = sub.add_parser(
+        "update",
+        parents=[cycle(DEFAULT_CONFIG, DEFAULT_POLICY)],
+        help="run one update cycle now: atlas, training, evaluation, gate, promotion, report",
+    )
     p.set_defaults(func=cmd_update)
     # None: each served deployment keeps its own config and policy (deploy/prefect.yaml).
-    p = sub.add_parser("serve", parents=[cycle(None, None)], help="serve the scheduled `update` deployments (one per "
-                       "line or skill) of deploy/prefect.yaml from this process")
-    p.add_argument("--deployment", action="append", default=None, metavar="NAME",
-                   help="a deployment of deploy/prefect.yaml to serve (repeatable; default: every scheduled one)")
+    p = sub.add_parser(
+        "serve",
+        parents=[cycle(None, None)],
+        help="serve the scheduled `update` deployments (one per "
+        "line or skill) of deploy/prefect.yaml from this process",
+    )
+    p.add_argument(
+        "--deployment",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="a deployment of deploy/prefect.yaml to serve (repeatable; default: every scheduled one)",
+    )
     p.add_argument("--cron", default=None, help="cron schedule of the one served deployment (default: its own)")
     p.set_defaults(func=cmd_serve)
 
@@ -140,23 +190,37 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
 
     p = add_ops_commands(sub, common, model)  # status, compare, history, rollback, renominate, gate
     gate_sub = p.add_subparsers(dest="gate_command", metavar="check")
-    check = gate_sub.add_parser("check", help="evaluate a candidate (e.g. a submitted one) against the champion with "
-                                "a policy and record the decision; exit 0 pass, 1 reject, 2 bad input")
+    check = gate_sub.add_parser(
+        "check",
+        help="evaluate a candidate (e.g. a submitted one) against the champion with "
+        "a policy and record the decision; exit 0 pass, 1 reject, 2 bad input",
+    )
     check.add_argument("version", help="the candidate: a version name, mlflow:<n> or #<id>")
-    check.add_argument("--config", default=DEFAULT_CONFIG, help="update config: the skill, line, retained set "
-                       "(default: %(default)s)")
+    check.add_argument(
+        "--config", default=DEFAULT_CONFIG, help="update config: the skill, line, retained set (default: %(default)s)"
+    )
     check.add_argument("--policy", default=DEFAULT_POLICY, help="release policy YAML (default: %(default)s)")
     check.add_argument("--line", default=None, help="override the config's release line")
     check.add_argument("--promote", action="store_true", help="make it the champion if it passes")
     check.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("submit", parents=[common], help="record an adapter trained elsewhere (PEFT LoRA folder, delta "
-                       "file, release folder or MLflow model URI) as a candidate version of a line")
-    p.add_argument("source", help="a PEFT adapter folder (save_pretrained), a delta .safetensors with its .json, a "
-                   "release folder, or models:/... / runs:/...")
+    p = sub.add_parser(
+        "submit",
+        parents=[common],
+        help="record an adapter trained elsewhere (PEFT LoRA folder, delta "
+        "file, release folder or MLflow model URI) as a candidate version of a line",
+    )
+    p.add_argument(
+        "source",
+        help="a PEFT adapter folder (save_pretrained), a delta .safetensors with its .json, a "
+        "release folder, or models:/... / runs:/...",
+    )
     p.add_argument("--line", required=True, help="the line (or registered model name) it joins")
-    p.add_argument("--parent", default="champion", help="the version it was trained on top of: champion (default), "
-                   "base, a version name, mlflow:<n> or #<id>")
+    p.add_argument(
+        "--parent",
+        default="champion",
+        help="the version it was trained on top of: champion (default), base, a version name, mlflow:<n> or #<id>",
+    )
     p.add_argument("--skill", default=None, help="the skill it teaches (default: the line's name)")
     p.add_argument("--name", default=None, help="the version's name (default: <backbone>-<skill>-<kind>-s0-e0)")
     p.add_argument("--json", action="store_true")

@@ -7,6 +7,7 @@
 A version is named as everywhere else (champion, base, a version name, mlflow:<n>, #<id>)
 within --model / --backbone + --line, or given as an MLflow model URI or a release folder.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,9 @@ def _load(args: argparse.Namespace):
     from .serving import load_release
 
     target, version = _target(args)
-    return load_release(target, version, dtype=args.dtype, device=args.device, backbone=args.backbone,
-                        **_opt_outs(args))
+    return load_release(
+        target, version, dtype=args.dtype, device=args.device, backbone=args.backbone, **_opt_outs(args)
+    )
 
 
 def _opt_outs(args: argparse.Namespace) -> dict[str, bool]:
@@ -61,11 +63,14 @@ def check_device(name: str | None) -> str | None:
         available = backend is not None and hasattr(backend, "is_available") and backend.is_available()
         count = backend.device_count() if available and hasattr(backend, "device_count") else int(available)
     if count == 0:
-        raise InputError(f"--device {name}: this machine has no {device.type} device that torch "
-                         f"{torch.__version__} can use")
+        raise InputError(
+            f"--device {name}: this machine has no {device.type} device that torch {torch.__version__} can use"
+        )
     if device.index is not None and device.index >= count:
-        raise InputError(f"--device {name}: this machine has {count} {device.type} device(s), "
-                         f"{device.type}:0 to {device.type}:{count - 1}")
+        raise InputError(
+            f"--device {name}: this machine has {count} {device.type} device(s), "
+            f"{device.type}:0 to {device.type}:{count - 1}"
+        )
     return name
 
 
@@ -85,7 +90,9 @@ def _read_prompts(path: str) -> list[str]:
             raise InputError(f"--input {path}, line {n}: not JSON ({e})") from None
         prompt = row.get("prompt") if isinstance(row, dict) else row
         if not isinstance(prompt, str) or not prompt:
-            raise InputError(f"--input {path}, line {n}: expected {{\"prompt\": \"...\"}} or a JSON string, got {line[:80]!r}")
+            raise InputError(
+                f'--input {path}, line {n}: expected {{"prompt": "..."}} or a JSON string, got {line[:80]!r}'
+            )
         prompts.append(prompt)
     if not prompts:
         raise InputError(f"--input {path}: no prompts")
@@ -105,11 +112,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.output is None and len(prompts) == 1:
         from transformers import TextStreamer
 
-        chat(release.model, release.tokenizer, prompts, sampling, streamer=TextStreamer(release.tokenizer, skip_prompt=True,
-                                                                                        skip_special_tokens=True))
+        chat(
+            release.model,
+            release.tokenizer,
+            prompts,
+            sampling,
+            streamer=TextStreamer(release.tokenizer, skip_prompt=True, skip_special_tokens=True),
+        )
         return 0
     replies = chat(release.model, release.tokenizer, prompts, sampling, batch_size=args.batch_size)
-    rows = "".join(json.dumps({"prompt": p, "text": t, "version": release.name}) + "\n" for p, t in zip(prompts, replies))
+    rows = "".join(
+        json.dumps({"prompt": p, "text": t, "version": release.name}) + "\n" for p, t in zip(prompts, replies)
+    )
     if args.output is None:
         sys.stdout.write(rows)
     else:
@@ -132,8 +146,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     check_device(args.device)
     target, version = _target(args)
     with release_folder(target, version, args.backbone) as folder:
-        release = load_folder(folder, dtype=args.dtype, device=args.device, backbone_loader=load_model,
-                              **_opt_outs(args))
+        release = load_folder(
+            folder, dtype=args.dtype, device=args.device, backbone_loader=load_model, **_opt_outs(args)
+        )
         if args.format == "mlflow":
             from .pyfunc import save_pyfunc
 
@@ -149,18 +164,35 @@ EXPORT_FORMATS = ("folder", "peft", "merged")  # atlas_core.export.FORMATS; not 
 
 def add_commands(sub, common: argparse.ArgumentParser, model: argparse.ArgumentParser) -> None:
     use = argparse.ArgumentParser(add_help=False)
-    use.add_argument("--no-verify-backbone", action="store_true", help="load a release whose manifest names no "
-                     "backbone weights sha256, or whose backbone weights differ (unverified; at your own risk)")
-    use.add_argument("--allow-legacy-folder", action="store_true", help="load a release folder written before "
-                     "manifest.sha256 sidecars (`atlas export --format folder` of it writes one)")
-    use.add_argument("--device", default=None, help="torch device to run on: cpu, cuda, cuda:N, mps... "
-                     "(default: the CPU); checked before anything loads")
-    p = sub.add_parser("generate", parents=[common, model, use], help="generate with a release (chat template, greedy "
-                       "by default, streamed)")
+    use.add_argument(
+        "--no-verify-backbone",
+        action="store_true",
+        help="load a release whose manifest names no "
+        "backbone weights sha256, or whose backbone weights differ (unverified; at your own risk)",
+    )
+    use.add_argument(
+        "--allow-legacy-folder",
+        action="store_true",
+        help="load a release folder written before "
+        "manifest.sha256 sidecars (`atlas export --format folder` of it writes one)",
+    )
+    use.add_argument(
+        "--device",
+        default=None,
+        help="torch device to run on: cpu, cuda, cuda:N, mps... (default: the CPU); checked before anything loads",
+    )
+    p = sub.add_parser(
+        "generate",
+        parents=[common, model, use],
+        help="generate with a release (chat template, greedy by default, streamed)",
+    )
     p.add_argument("prompt", nargs="?", default=None, help="one user message (or --input)")
-    p.add_argument("--version", default="champion", help="champion (default), base, a version name, mlflow:<n>, "
-                   "#<id>, an MLflow model URI or a release folder")
-    p.add_argument("--input", default=None, help="JSONL of prompts: {\"prompt\": ...} per line")
+    p.add_argument(
+        "--version",
+        default="champion",
+        help="champion (default), base, a version name, mlflow:<n>, #<id>, an MLflow model URI or a release folder",
+    )
+    p.add_argument("--input", default=None, help='JSONL of prompts: {"prompt": ...} per line')
     p.add_argument("--output", default=None, help="JSONL of replies (default: stdout)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -169,14 +201,29 @@ def add_commands(sub, common: argparse.ArgumentParser, model: argparse.ArgumentP
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per batch with --input")
     p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("export", parents=[common, model, use], help="export a release: a PEFT adapter, merged weights "
-                       "or the release folder")
+    p = sub.add_parser(
+        "export",
+        parents=[common, model, use],
+        help="export a release: a PEFT adapter, merged weights or the release folder",
+    )
     p.add_argument("version", help="champion, base, a version name, mlflow:<n>, #<id>, an MLflow model URI or a folder")
-    p.add_argument("--format", required=True, choices=(*EXPORT_FORMATS, "mlflow"),
-                   help="folder | peft | merged | mlflow (a pyfunc model folder for `mlflow models serve -m DIR`)")
+    p.add_argument(
+        "--format",
+        required=True,
+        choices=(*EXPORT_FORMATS, "mlflow"),
+        help="folder | peft | merged | mlflow (a pyfunc model folder for `mlflow models serve -m DIR`)",
+    )
     p.add_argument("--out", required=True, help="a new (or empty) folder")
-    p.add_argument("--bundle-backbone", action="store_true", help="folder, mlflow: copy the backbone's weights in "
-                   "too (air-gapped serving)")
-    p.add_argument("--since", default=None, metavar="VERSION", help="peft: only the deltas added after VERSION (a "
-                   "version of the chain), to load on top of load_release(LINE, VERSION).model")
+    p.add_argument(
+        "--bundle-backbone",
+        action="store_true",
+        help="folder, mlflow: copy the backbone's weights in too (air-gapped serving)",
+    )
+    p.add_argument(
+        "--since",
+        default=None,
+        metavar="VERSION",
+        help="peft: only the deltas added after VERSION (a "
+        "version of the chain), to load on top of load_release(LINE, VERSION).model",
+    )
     p.set_defaults(func=cmd_export)

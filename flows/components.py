@@ -1,6 +1,7 @@
 """The pluggable parts of a cycle: backbone loading and target scorers (evaluation/scorers.py:
 the built-ins and a user's 'package.module:Factory', all built from YAML).
 """
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@
 validates a file (see configs/update/ for commented examples); the release policy (which
 candidates to train and the gate thresholds) is a separate file (flows/policy.py).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,9 +15,8 @@ from pathlib import Path
 
 from atlas_core.backbone import DTYPES
 from atlas_core.paths import PROJECT_ROOT
-from evaluation.contexts import RETAINED_DOMAINS
-
 from atlas_core.typed_config import ConfigError, build, field, load_yaml
+from evaluation.contexts import RETAINED_DOMAINS
 
 SCORERS = ("mbpp-plus", "response-match")
 EVALUATE = ("epoch-ends", "all", "final")
@@ -47,24 +47,34 @@ def _existing(name: str, path: str, folder_ok: bool = False) -> None:
 
 @dataclass
 class SkillData:
-    source: str = field("Where the skill's (prompt, response) pairs come from: 'mbpp' (sanitized MBPP train/validation), "
-                        "'gsm8k' (GSM8K train problems -> worked solutions; held out: test), a JSONL skill file "
-                        "(evaluation/userdata.py schema) or a folder of such snapshots (the newest is taken).", "mbpp")
-    val_source: str | None = field("JSONL file of validation pairs (for a JSONL source; 'mbpp' uses its validation split).", None)
+    source: str = field(
+        "Where the skill's (prompt, response) pairs come from: 'mbpp' (sanitized MBPP train/validation), "
+        "'gsm8k' (GSM8K train problems -> worked solutions; held out: test), a JSONL skill file "
+        "(evaluation/userdata.py schema) or a folder of such snapshots (the newest is taken).",
+        "mbpp",
+    )
+    val_source: str | None = field(
+        "JSONL file of validation pairs (for a JSONL source; 'mbpp' uses its validation split).", None
+    )
     train_limit: int | None = field("First N training pairs (null: all).", None)
     val_limit: int | None = field("First N validation pairs (null: all; 0 is not allowed, use null for none).", 16)
-    holdout: float = field("A JSONL source without val_source: the share of its pairs held out as validation pairs "
-                           "(the skill's evaluation, and its retained contexts once released), chosen by a hash of "
-                           "each pair's prompt, so a pair stays on its side in every later snapshot. 0: no split "
-                           "(then val_source is required).", 0.1)
+    holdout: float = field(
+        "A JSONL source without val_source: the share of its pairs held out as validation pairs "
+        "(the skill's evaluation, and its retained contexts once released), chosen by a hash of "
+        "each pair's prompt, so a pair stays on its side in every later snapshot. 0: no split "
+        "(then val_source is required).",
+        0.1,
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "train_limit", "val_limit")
         if not 0 <= self.holdout < 1:  # also refuses nan
             raise ConfigError(f"holdout: expected a share in [0, 1), got {self.holdout!r}")
         if not self.source.strip():
-            raise ConfigError(f"source: expected {' or '.join(map(repr, SKILL_SOURCES))}, a JSONL skill file or a folder "
-                              f"of them, got {self.source!r}")
+            raise ConfigError(
+                f"source: expected {' or '.join(map(repr, SKILL_SOURCES))}, a JSONL skill file or a folder "
+                f"of them, got {self.source!r}"
+            )
         if self.source in SKILL_SOURCES:
             if self.val_source is not None:
                 raise ConfigError(f"val_source: only for a JSONL source; {self.source!r} has its own validation pairs")
@@ -74,17 +84,24 @@ class SkillData:
             _nonempty(self, "val_source")
             _existing("val_source", self.val_source)
         elif self.holdout == 0:
-            raise ConfigError("holdout: 0 holds no pair out of a JSONL source, so there would be no validation pairs; "
-                              "expected a share in (0, 1) or a val_source file")
+            raise ConfigError(
+                "holdout: 0 holds no pair out of a JSONL source, so there would be no validation pairs; "
+                "expected a share in (0, 1) or a val_source file"
+            )
 
 
 @dataclass
 class TargetSpec:
-    scorer: str = field("Target scorer: a built-in (mbpp-plus, gsm8k-accuracy, csqa-choice, exact-match, reference-nll, "
-                        "response-match; see evaluation/scorers.py) or a user's 'package.module:Factory'.", "mbpp-plus")
+    scorer: str = field(
+        "Target scorer: a built-in (mbpp-plus, gsm8k-accuracy, csqa-choice, exact-match, reference-nll, "
+        "response-match; see evaluation/scorers.py) or a user's 'package.module:Factory'.",
+        "mbpp-plus",
+    )
     options: dict[str, int | float | bool | str | None] = field(
         "The scorer's options (e.g. limit, max_new_tokens, batch_size; each scorer documents its own). Unknown "
-        "options are errors, checked before any training starts.", factory=dict)
+        "options are errors, checked before any training starts.",
+        factory=dict,
+    )
 
     def __post_init__(self) -> None:
         from evaluation.scorers import check_scorer
@@ -101,15 +118,21 @@ class RetainedSpec:
         "Retained domains watched by the gates: built-in 'gsm8k', 'csqa', 'mbpp' (code contexts), or a user's JSONL "
         "file as {name, file, gate_rows (first N rows gate, the rest calibrate the atlas), checker} "
         "(evaluation/domains.py). Released skills of the line are added to these automatically.",
-        factory=lambda: list(RETAINED_DOMAINS))
-    kl_contexts: int = field("Teacher-forced contexts per domain for retained KL (first N of GSM8K test / CSQA validation).", 128)
+        factory=lambda: list(RETAINED_DOMAINS),
+    )
+    kl_contexts: int = field(
+        "Teacher-forced contexts per domain for retained KL (first N of GSM8K test / CSQA validation).", 128
+    )
     kl_max_tokens: int = field("Contexts are cut to this many tokens for retained KL.", 1024)
     gsm8k_questions: int = field("GSM8K test questions answered by generation (answer churn, NFR).", 16)
     csqa_questions: int = field("CSQA validation questions answered by conditional choice (choice churn, NFR).", 64)
     max_new_tokens: int = field("Generation budget per GSM8K answer.", 192)
     batch_size: int = field("Prompts per forward batch for CSQA choice.", 8)
-    generation_batch_size: int = field("GSM8K questions decoded together (a finished one leaves the batch, so more "
-                                       "cost little; in bf16 the batch changes the rounding, see evaluation/generate.py).", 16)
+    generation_batch_size: int = field(
+        "GSM8K questions decoded together (a finished one leaves the batch, so more "
+        "cost little; in bf16 the batch changes the rounding, see evaluation/generate.py).",
+        16,
+    )
     replay_examples: int = field("Retained training texts (GSM8K train) for the Replay and Output-KL objectives.", 128)
 
     def __post_init__(self) -> None:
@@ -119,8 +142,17 @@ class RetainedSpec:
             validate_domains(self.domains)
         except ValueError as e:
             raise ConfigError(str(e).removeprefix("retained.")) from e
-        _positive(self, "kl_contexts", "kl_max_tokens", "gsm8k_questions", "csqa_questions", "max_new_tokens", "batch_size",
-                  "generation_batch_size", "replay_examples")
+        _positive(
+            self,
+            "kl_contexts",
+            "kl_max_tokens",
+            "gsm8k_questions",
+            "csqa_questions",
+            "max_new_tokens",
+            "batch_size",
+            "generation_batch_size",
+            "replay_examples",
+        )
 
 
 @dataclass
@@ -139,12 +171,16 @@ class AtlasSpec:
 
 @dataclass
 class TrainOverrides:
-    configs_dir: str = field("Folder of the per-method run configs (<method>.yaml), relative to the project.", "configs/train")
+    configs_dir: str = field(
+        "Folder of the per-method run configs (<method>.yaml), relative to the project.", "configs/train"
+    )
     epochs: int | None = field("Override train.epochs of every method (null: keep the method's).", 2)
     lr: float | None = field("Override train.lr (null: keep).", None)
     batch_size: int | None = field("Override train.batch_size (null: keep).", None)
     max_length: int | None = field("Override train.max_length (null: keep).", 768)
-    on_bad_example: str | None = field("Override train.on_bad_example: raise | skip | truncate (null: keep).", "truncate")
+    on_bad_example: str | None = field(
+        "Override train.on_bad_example: raise | skip | truncate (null: keep).", "truncate"
+    )
     checkpoint_every_steps: int | None = field("Override train.checkpoint_every_steps (null: keep).", None)
 
     def __post_init__(self) -> None:
@@ -154,32 +190,49 @@ class TrainOverrides:
         if self.lr is not None and not self.lr > 0:
             raise ConfigError(f"lr: expected a positive number, got {self.lr!r}")
         if self.on_bad_example is not None and self.on_bad_example not in BAD_EXAMPLE_POLICIES:
-            raise ConfigError(f"on_bad_example: expected one of {BAD_EXAMPLE_POLICIES} or null, got {self.on_bad_example!r}")
+            raise ConfigError(
+                f"on_bad_example: expected one of {BAD_EXAMPLE_POLICIES} or null, got {self.on_bad_example!r}"
+            )
         if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 0:
-            raise ConfigError(f"checkpoint_every_steps: expected an integer >= 0 or null, got {self.checkpoint_every_steps!r}")
+            raise ConfigError(
+                f"checkpoint_every_steps: expected an integer >= 0 or null, got {self.checkpoint_every_steps!r}"
+            )
         if not self.configs_dir.strip() or not resolve(self.configs_dir).is_dir():
-            raise ConfigError(f"configs_dir: expected a folder of run configs, got {self.configs_dir!r} "
-                              f"(looked at {resolve(self.configs_dir)})")
+            raise ConfigError(
+                f"configs_dir: expected a folder of run configs, got {self.configs_dir!r} "
+                f"(looked at {resolve(self.configs_dir)})"
+            )
 
 
 @dataclass
 class UpdateConfig:
     name: str = field("A label for this configuration (shown in reports).", "default")
-    backbone: str = field("Backbone alias, local folder or cached hub id; 'tiny-llama' is a random toy model for tests.",
-                          "smollm2-135m")
-    dtype: str = field(f"Model dtype, one of {DTYPES}; auto is bfloat16 where the hardware runs it natively "
-                       "(a bf16 GPU, AVX512-BF16/AMX CPUs), else float32.", "auto")
+    backbone: str = field(
+        "Backbone alias, local folder or cached hub id; 'tiny-llama' is a random toy model for tests.", "smollm2-135m"
+    )
+    dtype: str = field(
+        f"Model dtype, one of {DTYPES}; auto is bfloat16 where the hardware runs it natively "
+        "(a bf16 GPU, AVX512-BF16/AMX CPUs), else float32.",
+        "auto",
+    )
     skill: str = field("Name of the skill this release teaches.", "code")
-    line: str | None = field("The release line (registered model '<backbone>.<line>'); each release builds on the line's "
-                             "champion. null: a line named after the skill.", None)
+    line: str | None = field(
+        "The release line (registered model '<backbone>.<line>'); each release builds on the line's "
+        "champion. null: a line named after the skill.",
+        None,
+    )
     layer: int = field("Decoder layer l of the residual / LoRA (-1: the middle layer).", -1)
-    evaluate: str = field(f"Which checkpoints become candidates, one of {EVALUATE}: each epoch's last, every "
-                          "checkpoint, or only each run's final one.", "epoch-ends")
+    evaluate: str = field(
+        f"Which checkpoints become candidates, one of {EVALUATE}: each epoch's last, every "
+        "checkpoint, or only each run's final one.",
+        "epoch-ends",
+    )
     data: SkillData = field("Skill training data.", factory=SkillData)
     target: TargetSpec = field("Target (skill) scoring.", factory=TargetSpec)
     retained: RetainedSpec = field("Retained domains and their evaluation subsets.", factory=RetainedSpec)
-    atlas: AtlasSpec = field("Atlas fitted on retained contexts (content-addressed, reused when nothing changed).",
-                             factory=AtlasSpec)
+    atlas: AtlasSpec = field(
+        "Atlas fitted on retained contexts (content-addressed, reused when nothing changed).", factory=AtlasSpec
+    )
     train: TrainOverrides = field("Training settings applied to every candidate method.", factory=TrainOverrides)
 
     def __post_init__(self) -> None:
@@ -187,15 +240,19 @@ class UpdateConfig:
         for name in ("skill", "line"):
             value = getattr(self, name)
             if value is not None and not NAME.match(value):
-                raise ConfigError(f"{name}: expected a name of letters, digits, '_', '.', '-' (a key in policies and the "
-                                  f"ledger), got {value!r}")
+                raise ConfigError(
+                    f"{name}: expected a name of letters, digits, '_', '.', '-' (a key in policies and the "
+                    f"ledger), got {value!r}"
+                )
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
         if self.evaluate not in EVALUATE:
             raise ConfigError(f"evaluate: expected one of {EVALUATE}, got {self.evaluate!r}")
         if self.layer == 0 or self.layer < -1:
-            raise ConfigError(f"layer: expected -1 (middle) or a layer index >= 1 (retained KL caches layers below it), "
-                              f"got {self.layer!r}")
+            raise ConfigError(
+                f"layer: expected -1 (middle) or a layer index >= 1 (retained KL caches layers below it), "
+                f"got {self.layer!r}"
+            )
 
     @property
     def line_name(self) -> str:

@@ -19,6 +19,7 @@ A version is applied as its whole chain (atlas_core.chain): every delta from the
 release to it, attached in order. Retained KL runs from a prefix cache that ends below the
 lowest layer any delta touches, so one cache serves the base, the champion and every candidate.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -10,6 +10,7 @@ answers, CSQA choices), so a version is generated for once per evaluation subset
 cycles, reruns after a crash and `atlas compare` reuse them. An evaluation measured against
 the same champion with the same settings (`UpdateConfig.eval_key`) is reused as well.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,7 +38,7 @@ def scorer_for(ctx: CycleContext, kind: str):
 
     if kind == "target":
         return scorer(ctx.skill)
-    return scorer(next(s for s in ctx.released if s.name == kind[len(SKILL):]))
+    return scorer(next(s for s in ctx.released if s.name == kind[len(SKILL) :]))
 
 
 def released_scorers(ctx: CycleContext) -> dict:
@@ -68,8 +69,9 @@ def question_ids(ctx: CycleContext, kind: str) -> list[str]:
     return list(rows["id"][: r.gsm8k_questions if kind == "gsm8k" else r.csqa_questions])
 
 
-def _generate(ctx: CycleContext, applied: Applied, kind: str,
-              batch_size: int | None = None) -> dict[str, tuple[str | None, bool]]:
+def _generate(
+    ctx: CycleContext, applied: Applied, kind: str, batch_size: int | None = None
+) -> dict[str, tuple[str | None, bool]]:
     """A version's answers; `batch_size` (GSM8K, CSQA) replaces the config's batching (the noise floor)."""
     from evaluation.tasks import eval_gsm8k
     from evaluation.timing import phase
@@ -83,14 +85,26 @@ def _generate(ctx: CycleContext, applied: Applied, kind: str,
         if kind == "target" or kind.startswith(SKILL):
             scored = scorer_for(ctx, kind).score(model, tokenizer)
             return {q: (ps.answer, ps.correct) for q, ps in scored.items()}
-        got = eval_gsm8k(model, tokenizer, limit=r.gsm8k_questions, max_new_tokens=r.max_new_tokens,
-                         batch_size=batch_size or r.generation_batch_size).answers
+        got = eval_gsm8k(
+            model,
+            tokenizer,
+            limit=r.gsm8k_questions,
+            max_new_tokens=r.max_new_tokens,
+            batch_size=batch_size or r.generation_batch_size,
+        ).answers
     return {a.id: (a.answer, bool(a.correct)) for a in got}
 
 
-@task(cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1, retry_condition_fn=transient_only, task_run_name="answers-{kind}")
-def version_answers(ctx: CycleContext, applied: Applied, kind: str, dataset: str, ids: list[str],
-                    batch_size: int | None = None) -> Answers:
+@task(
+    cache_policy=NO_CACHE,
+    retries=1,
+    retry_delay_seconds=1,
+    retry_condition_fn=transient_only,
+    task_run_name="answers-{kind}",
+)
+def version_answers(
+    ctx: CycleContext, applied: Applied, kind: str, dataset: str, ids: list[str], batch_size: int | None = None
+) -> Answers:
     """The version's answers on these questions: stored ones, plus the missing ones generated and stored."""
     from registry import AnswerRecord, get_answers, record_answers
 
@@ -120,8 +134,15 @@ def regression(scorer, reference: Answers, new: Answers) -> Regression:
     if not drops:
         return Regression(0, None, None, None, None, kind)
     counts = (sum(d > 0 for d in drops), sum(d < 0 for d in drops)) if kind == PASS_FAIL else (None, None)
-    return Regression(len(drops), score_of(scorer, reference), score_of(scorer, new), fmean(drops),
-                      stdev(drops) if len(drops) > 1 else None, kind, *counts)
+    return Regression(
+        len(drops),
+        score_of(scorer, reference),
+        score_of(scorer, new),
+        fmean(drops),
+        stdev(drops) if len(drops) > 1 else None,
+        kind,
+        *counts,
+    )
 
 
 def flips(reference: Answers, new: Answers) -> Flips:
@@ -135,8 +156,9 @@ def flips(reference: Answers, new: Answers) -> Flips:
 
 
 @task(cache_policy=NO_CACHE, retries=1, retry_delay_seconds=1, retry_condition_fn=transient_only)
-def kl_against(ctx: CycleContext, applied: Applied, refs: list[Applied],
-               teachers: dict[str, Applied] | None = None) -> list[dict]:
+def kl_against(
+    ctx: CycleContext, applied: Applied, refs: list[Applied], teachers: dict[str, Applied] | None = None
+) -> list[dict]:
     """Retained KL(ref || version) per member of the retained set (evaluation.kl.KLResult: the mean
     in nats/token and each context's), for each reference, then one more dict: KL vs each member's
     own reference in `teachers` (released skill -> the release that taught it) on that member's
@@ -145,8 +167,9 @@ def kl_against(ctx: CycleContext, applied: Applied, refs: list[Applied],
     from .runtime import retained_kl
 
     teachers = teachers or {}
-    per_member = {m: retained_kl(ctx, applied, [*refs, *([teachers[m]] if m in teachers else [])], m)
-                  for m in ctx.members}
+    per_member = {
+        m: retained_kl(ctx, applied, [*refs, *([teachers[m]] if m in teachers else [])], m) for m in ctx.members
+    }
     by_ref = [{m: values[j] for m, values in per_member.items()} for j in range(len(refs))]
     return [*by_ref, {m: per_member[m][len(refs)] for m in teachers if m in per_member}]
 
@@ -162,15 +185,19 @@ def teachers(ctx: CycleContext) -> dict[str, Applied]:
 
 
 def all_answers(ctx: CycleContext, applied: Applied) -> dict[str, Answers]:
-    return {kind: version_answers(ctx, applied, kind, dataset, question_ids(ctx, kind))
-            for kind, dataset in answer_sets(ctx).items()}
+    return {
+        kind: version_answers(ctx, applied, kind, dataset, question_ids(ctx, kind))
+        for kind, dataset in answer_sets(ctx).items()
+    }
 
 
 def solved(answers: dict[str, Answers]) -> int:
     return sum(a.correct for a in answers["target"].values())
 
 
-def released_regressions(ctx: CycleContext, champ: dict[str, Answers], mine: dict[str, Answers]) -> dict[str, Regression]:
+def released_regressions(
+    ctx: CycleContext, champ: dict[str, Answers], mine: dict[str, Answers]
+) -> dict[str, Regression]:
     return {name: regression(s, champ[SKILL + name], mine[SKILL + name]) for name, s in released_scorers(ctx).items()}
 
 
@@ -182,22 +209,40 @@ def record_candidate(ctx: CycleContext, m: CandidateMetrics, kl_vs_teacher: dict
 
     from .runtime import ledger, platform
 
-    ok = lambda v: v if v is not None and math.isfinite(v) else None  # noqa: E731
-    nonfinite = {f"{k}[{d}]": str(v) for k in ("kl_vs_base", "kl_vs_champion")
-                 for d, v in getattr(m, k).items() if v is not None and not math.isfinite(v)}
-    churn = [ChurnCounts(against, d, f.F, f.G, f.W, f.n) for against, fl in
-             (("base", m.flips_vs_base), ("release", m.flips_vs_champion)) for d, f in sorted(fl.items())]
-    record = EvaluationRecord(m.version_id, m.target_solved, m.target_total,
-                              [DomainKL(d, ok(m.kl_vs_base.get(d)), ok(m.kl_vs_champion.get(d))) for d in m.kl_vs_base],
-                              churn, ok(m.csqa_choice_churn), ctx.champion.version.id,
-                              {"eval_key": eval_key(ctx), "nonfinite": nonfinite,
-                               "champion_solved": m.champion_solved,
-                               "released": {k: asdict(r) for k, r in m.released.items()},
-                               "target_score": ok(m.target_score), "champion_score": ok(m.champion_score),
-                               "higher_is_better": m.higher_is_better,
-                               "kl_vs_teacher": {k: ok(v) for k, v in (kl_vs_teacher or {}).items()},
-                               "flips_floor": {d: asdict(f) for d, f in m.flips_floor.items()}}
-                              | kl_tail.to_extra(m.kl_tail, m.kl_top_contexts), ctx.flow_run_id)
+    ok = lambda v: v if v is not None and math.isfinite(v) else None
+    nonfinite = {
+        f"{k}[{d}]": str(v)
+        for k in ("kl_vs_base", "kl_vs_champion")
+        for d, v in getattr(m, k).items()
+        if v is not None and not math.isfinite(v)
+    }
+    churn = [
+        ChurnCounts(against, d, f.F, f.G, f.W, f.n)
+        for against, fl in (("base", m.flips_vs_base), ("release", m.flips_vs_champion))
+        for d, f in sorted(fl.items())
+    ]
+    record = EvaluationRecord(
+        m.version_id,
+        m.target_solved,
+        m.target_total,
+        [DomainKL(d, ok(m.kl_vs_base.get(d)), ok(m.kl_vs_champion.get(d))) for d in m.kl_vs_base],
+        churn,
+        ok(m.csqa_choice_churn),
+        ctx.champion.version.id,
+        {
+            "eval_key": eval_key(ctx),
+            "nonfinite": nonfinite,
+            "champion_solved": m.champion_solved,
+            "released": {k: asdict(r) for k, r in m.released.items()},
+            "target_score": ok(m.target_score),
+            "champion_score": ok(m.champion_score),
+            "higher_is_better": m.higher_is_better,
+            "kl_vs_teacher": {k: ok(v) for k, v in (kl_vs_teacher or {}).items()},
+            "flips_floor": {d: asdict(f) for d, f in m.flips_floor.items()},
+        }
+        | kl_tail.to_extra(m.kl_tail, m.kl_top_contexts),
+        ctx.flow_run_id,
+    )
     evaluation_id = record_evaluation(ledger(), record)
     numbers = {"target_solved": m.target_solved, "csqa_choice_churn": m.csqa_choice_churn}
     numbers |= {f"{k}_{d}": v for k in ("kl_vs_base", "kl_vs_champion") for d, v in getattr(m, k).items()}
@@ -232,21 +277,38 @@ def stored_metrics(ctx: CycleContext, version) -> CandidateMetrics | None:
     if extra.get("eval_key") != eval_key(ctx):
         return None
     nan = {k: float(v) for k, v in extra.get("nonfinite", {}).items()}
-    kl = lambda which, attr: {k.domain: nan.get(f"{which}[{k.domain}]", getattr(k, attr)) for k in ev.kl}  # noqa: E731
-    fl = lambda against: {c.domain: Flips(c.n, c.flips_f, c.flips_g, c.flips_w) for c in ev.churn  # noqa: E731
-                          if c.against == against}
+    kl = lambda which, attr: {k.domain: nan.get(f"{which}[{k.domain}]", getattr(k, attr)) for k in ev.kl}
+    fl = lambda against: {
+        c.domain: Flips(c.n, c.flips_f, c.flips_g, c.flips_w) for c in ev.churn if c.against == against
+    }
     released = {k: Regression(**r) for k, r in extra.get("released", {}).items()}
     if any(r.kind is None for r in released.values()):
         return None  # stored by older code without the exact paired counts: measured again (answers are stored)
     tails, moved = kl_tail.from_extra(extra)  # empty when stored by older code: a tail limit fails closed
-    return CandidateMetrics(version.id, version.name, version.method, version.seed, version.epoch, version.step,
-                            ev.target_solved, ev.target_total, extra.get("champion_solved"),
-                            kl("kl_vs_base", "kl_vs_base"), kl("kl_vs_champion", "kl_vs_release"),
-                            fl("base"), fl("release"), ev.csqa_choice_churn,
-                            released, ev.id,
-                            extra.get("target_score"), extra.get("champion_score"), extra.get("higher_is_better", True),
-                            kl_tail=tails, kl_top_contexts=moved,
-                            flips_floor={d: Flips(**f) for d, f in extra.get("flips_floor", {}).items()})
+    return CandidateMetrics(
+        version.id,
+        version.name,
+        version.method,
+        version.seed,
+        version.epoch,
+        version.step,
+        ev.target_solved,
+        ev.target_total,
+        extra.get("champion_solved"),
+        kl("kl_vs_base", "kl_vs_base"),
+        kl("kl_vs_champion", "kl_vs_release"),
+        fl("base"),
+        fl("release"),
+        ev.csqa_choice_churn,
+        released,
+        ev.id,
+        extra.get("target_score"),
+        extra.get("champion_score"),
+        extra.get("higher_is_better", True),
+        kl_tail=tails,
+        kl_top_contexts=moved,
+        flips_floor={d: Flips(**f) for d, f in extra.get("flips_floor", {}).items()},
+    )
 
 
 @flow(name="evaluate_candidate", validate_parameters=True)
@@ -268,17 +330,36 @@ def evaluate_candidate(ctx: CycleContext, version_id: int) -> CandidateMetrics:
     target = scorer_for(ctx, "target")
     kl = kl_against(ctx, applied, [base, champion], teachers(ctx))
     vs_base, vs_champion, vs_teacher = ({member: r.mean for member, r in results.items()} for results in kl)
-    tails, moved = kl_tail.summarise({"vs_base": {member: r.per_context for member, r in kl[0].items()},
-                                      "vs_champion": {member: r.per_context for member, r in kl[1].items()}},
-                                     lambda member: gate_texts(ctx, member))
-    m = CandidateMetrics(version.id, version.name, version.method, version.seed, version.epoch, version.step,
-                         solved(mine), len(mine["target"]), solved(champ), vs_base, vs_champion,
-                         {k: flips(base_ans[k], mine[k]) for k in watched},
-                         {k: flips(champ[k], mine[k]) for k in watched}, choice,
-                         released_regressions(ctx, champ, mine),
-                         target_score=score_of(target, mine["target"]), champion_score=score_of(target, champ["target"]),
-                         higher_is_better=target.higher_is_better, kl_tail=tails, kl_top_contexts=moved,
-                         flips_floor=flip_floor(ctx, champ))
+    tails, moved = kl_tail.summarise(
+        {
+            "vs_base": {member: r.per_context for member, r in kl[0].items()},
+            "vs_champion": {member: r.per_context for member, r in kl[1].items()},
+        },
+        lambda member: gate_texts(ctx, member),
+    )
+    m = CandidateMetrics(
+        version.id,
+        version.name,
+        version.method,
+        version.seed,
+        version.epoch,
+        version.step,
+        solved(mine),
+        len(mine["target"]),
+        solved(champ),
+        vs_base,
+        vs_champion,
+        {k: flips(base_ans[k], mine[k]) for k in watched},
+        {k: flips(champ[k], mine[k]) for k in watched},
+        choice,
+        released_regressions(ctx, champ, mine),
+        target_score=score_of(target, mine["target"]),
+        champion_score=score_of(target, champ["target"]),
+        higher_is_better=target.higher_is_better,
+        kl_tail=tails,
+        kl_top_contexts=moved,
+        flips_floor=flip_floor(ctx, champ),
+    )
     return replace(m, evaluation_id=record_candidate(ctx, m, vs_teacher))
 
 
@@ -296,8 +377,18 @@ def record_base(ctx: CycleContext) -> None:
         return
     answers = all_answers(ctx, base)
     score = score_of(scorer_for(ctx, "target"), answers["target"])
-    record_evaluation(ledger(), EvaluationRecord(
-        base.version.id, solved(answers), len(answers["target"]), [DomainKL(d, 0.0) for d in ctx.members],
-        extra={"eval_key": eval_key(ctx), "skill": ctx.skill.name,
-               "target_score": score if math.isfinite(score) else None},
-        flow_run_id=ctx.flow_run_id))
+    record_evaluation(
+        ledger(),
+        EvaluationRecord(
+            base.version.id,
+            solved(answers),
+            len(answers["target"]),
+            [DomainKL(d, 0.0) for d in ctx.members],
+            extra={
+                "eval_key": eval_key(ctx),
+                "skill": ctx.skill.name,
+                "target_score": score if math.isfinite(score) else None,
+            },
+            flow_run_id=ctx.flow_run_id,
+        ),
+    )

@@ -14,6 +14,7 @@ ledger and on the MLflow version. The version must teach the config's skill; whe
 skill's spec is stored on the version's run, so later cycles keep it as a released skill.
 A submitted delta may change any layer, so the KL prefix cache ends below its lowest one.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
@@ -55,19 +56,28 @@ def candidate_version(ledger, model_id: int, ref: str, skill: str):
     v = resolve_version(ledger, model_id, ref)
     holder = alias_holder(ledger, model_id)
     if v.is_base or (holder is not None and v.id == holder.id):
-        raise InputError(f"version {ref!r}: {v.name} is the {'base' if v.is_base else 'champion'}; "
-                         "gate a candidate (`atlas submit` prints its name)")
+        raise InputError(
+            f"version {ref!r}: {v.name} is the {'base' if v.is_base else 'champion'}; "
+            "gate a candidate (`atlas submit` prints its name)"
+        )
     if v.status == "retired":
         raise InputError(f"version {ref!r}: {v.name} was rolled back (retired); `atlas renominate` it first")
     if v.skill != skill:
-        raise InputError(f"version {ref!r}: {v.name} teaches skill {v.skill!r}, the config's skill is "
-                         f"{skill!r} (atlas submit --skill, or the config's `skill`)")
+        raise InputError(
+            f"version {ref!r}: {v.name} teaches skill {v.skill!r}, the config's skill is "
+            f"{skill!r} (atlas submit --skill, or the config's `skill`)"
+        )
     return v
 
 
 @flow(name="gate-candidate", validate_parameters=True)
-def gate_candidate(version: str, config: str = DEFAULT_CONFIG, policy: str = DEFAULT_POLICY,
-                   line: Optional[str] = None, promote: bool = False) -> GateCheckResult:
+def gate_candidate(
+    version: str,
+    config: str = DEFAULT_CONFIG,
+    policy: str = DEFAULT_POLICY,
+    line: Optional[str] = None,
+    promote: bool = False,
+) -> GateCheckResult:
     """Gate one existing candidate version against the champion with a policy; with `promote`, a
     passing version becomes the champion."""
     from prefect.runtime import flow_run
@@ -77,7 +87,8 @@ def gate_candidate(version: str, config: str = DEFAULT_CONFIG, policy: str = DEF
     from .config import load_update_config
     from .evaluate import evaluate_candidate, record_base
     from .policy import load_cycle_policy
-    from .release import gate, promote as promote_flow
+    from .release import gate
+    from .release import promote as promote_flow
     from .runtime import ledger, resolve_applied, session
     from .update import _Clock, publish_report, resolve_lineage
 
@@ -97,10 +108,22 @@ def gate_candidate(version: str, config: str = DEFAULT_CONFIG, policy: str = DEF
             complete_run_config(ledger(), v.training_run_id, "skill", ctx.skill.to_dict())
         release = None
         if promote and outcome.selected is not None:
-            release = promote_flow(v.id, f"gate {ctx.policy.label} passed (atlas gate check) on top of "
-                                         f"{ctx.champion.version.name}", ctx.flow_run_id)
+            release = promote_flow(
+                v.id,
+                f"gate {ctx.policy.label} passed (atlas gate check) on top of {ctx.champion.version.name}",
+                ctx.flow_run_id,
+            )
         report = publish_report(ctx, [m], outcome, release, clock.phases, {})
         champion = alias_holder(ledger(), ctx.model.id) or ctx.base.version
-        return GateCheckResult(ctx.model.name, v.name, outcome.verdict(v.id), release is not None,
-                               ctx.champion.version.name, champion.name, ctx.policy.label,
-                               outcome.decisions[v.id], tuple(outcome.checks[v.id]), report)
+        return GateCheckResult(
+            ctx.model.name,
+            v.name,
+            outcome.verdict(v.id),
+            release is not None,
+            ctx.champion.version.name,
+            champion.name,
+            ctx.policy.label,
+            outcome.decisions[v.id],
+            tuple(outcome.checks[v.id]),
+            report,
+        )

@@ -4,16 +4,16 @@ Fail closed: a metric that is missing, NaN, infinite or outside its possible ran
 its check (the detail says which), and a candidate passes only if every check passes.
 Every check carries its threshold and measured value so the ledger can show exactly why.
 """
+
 from __future__ import annotations
 
 import math
-from numbers import Integral
 from dataclasses import dataclass, field, replace
+from numbers import Integral
 from typing import Optional
 
-from registry import GateCheckRecord
-
 from evaluation.stats import clopper_pearson_upper, is_count, mcnemar_exact_p, t_upper
+from registry import GateCheckRecord
 
 from .kl_tail import KLTail, MovedContext
 from .policy import ANSWERED, CONTINUOUS, PASS_FAIL, RELEASED, NoRegression, ReleasePolicy
@@ -115,15 +115,18 @@ def _finite(value) -> bool:
     return value is not None and isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def _upper_check(name: str, threshold: float, measured, low: float, high: float = math.inf,
-                 detail: str = "") -> GateCheckRecord:
+def _upper_check(
+    name: str, threshold: float, measured, low: float, high: float = math.inf, detail: str = ""
+) -> GateCheckRecord:
     """measured <= threshold, with missing / non-finite / impossible values failing."""
     if measured is None:
         return GateCheckRecord(name, threshold, None, False, f"missing: not measured {detail}".strip())
     if not math.isfinite(measured):
         return GateCheckRecord(name, threshold, float(measured), False, f"not finite {detail}".strip())
     if not low <= measured <= high:
-        return GateCheckRecord(name, threshold, float(measured), False, f"out of range [{low}, {high}] {detail}".strip())
+        return GateCheckRecord(
+            name, threshold, float(measured), False, f"out of range [{low}, {high}] {detail}".strip()
+        )
     return GateCheckRecord(name, threshold, float(measured), measured <= threshold, detail)
 
 
@@ -132,21 +135,33 @@ def target_check(c: CandidateMetrics, policy: ReleasePolicy) -> GateCheckRecord:
     for reference-nll, where a drop is a gain)."""
     name, need = "target_gain_vs_champion", float(policy.min_target_gain)
     if c.target_score is None and c.target_solved is not None:  # evaluations stored before scores were recorded
-        c = replace(c, target_score=float(c.target_solved),
-                    champion_score=None if c.champion_solved is None else float(c.champion_solved))
+        c = replace(
+            c,
+            target_score=float(c.target_solved),
+            champion_score=None if c.champion_solved is None else float(c.champion_solved),
+        )
     if c.target_score is None or c.champion_score is None:
         return GateCheckRecord(name, need, None, False, "missing: target score of candidate or champion not measured")
     if not (math.isfinite(c.target_score) and math.isfinite(c.champion_score)):
         return GateCheckRecord(name, need, math.nan, False, "not finite: target score of candidate or champion")
     for who, solved in (("candidate", c.target_solved), ("champion", c.champion_solved)):
         if solved is not None and not (isinstance(solved, Integral) and 0 <= solved <= c.target_total):
-            return GateCheckRecord(name, need, float(c.target_score - c.champion_score), False,
-                                   f"out of range: {who} solved {solved} of {c.target_total}")
+            return GateCheckRecord(
+                name,
+                need,
+                float(c.target_score - c.champion_score),
+                False,
+                f"out of range: {who} solved {solved} of {c.target_total}",
+            )
     gain = (c.target_score - c.champion_score) * (1 if c.higher_is_better else -1)
     unit = "" if c.higher_is_better else " (lower is better)"
-    return GateCheckRecord(name, need, float(gain), gain >= need,
-                           f"score {c.target_score:g} vs champion {c.champion_score:g}{unit}; "
-                           f"solved {c.target_solved}/{c.target_total}")
+    return GateCheckRecord(
+        name,
+        need,
+        float(gain),
+        gain >= need,
+        f"score {c.target_score:g} vs champion {c.champion_score:g}{unit}; solved {c.target_solved}/{c.target_total}",
+    )
 
 
 def _watched(limits: dict, domains: Optional[list[str]]) -> list[tuple[str, float]]:
@@ -169,29 +184,51 @@ def kl_checks(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[list
             out.append(check)
     for skill in sorted(c.released):
         limit = policy.max_kl_vs_champion.get(skill, policy.max_kl_vs_champion.get(RELEASED, math.nan))
-        out.append(_upper_check(f"kl_vs_champion[{skill}]", limit, c.kl_vs_champion.get(skill), -KL_TOLERANCE,
-                                detail="nats/token (released skill)"))
+        out.append(
+            _upper_check(
+                f"kl_vs_champion[{skill}]",
+                limit,
+                c.kl_vs_champion.get(skill),
+                -KL_TOLERANCE,
+                detail="nats/token (released skill)",
+            )
+        )
     return out
 
 
-def kl_tail_checks(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[list[str]] = None) -> list[GateCheckRecord]:
+def kl_tail_checks(
+    c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[list[str]] = None
+) -> list[GateCheckRecord]:
     """The policy's optional limits on the tail of per-context KL (p95, p99, max over a member's
     contexts: flows/kl_tail.py): on the watched domains it names, vs champion and vs base, and on
     every released skill vs the champion (key 'released': those not named). Unlike the mean's
     limits a domain without one is not checked; a limit whose tail was not measured fails."""
     out = []
     for against, limits in (("vs_champion", policy.max_kl_tail_vs_champion), ("vs_base", policy.max_kl_tail_vs_base)):
-        members = [(d, stats) for d, stats in sorted(limits.items())
-                   if d != RELEASED and d not in c.released and (domains is None or d in domains)]
+        members = [
+            (d, stats)
+            for d, stats in sorted(limits.items())
+            if d != RELEASED and d not in c.released and (domains is None or d in domains)
+        ]
         if against == "vs_champion":
             members += [(skill, limits.get(skill, limits.get(RELEASED, {}))) for skill in sorted(c.released)]
         for member, stats in members:
             tail = c.kl_tail.get(against, {}).get(member)
-            detail = (f"over {tail.contexts} contexts, nats/token" if tail is not None
-                      else "(no per-context KL stored with this evaluation)")
+            detail = (
+                f"over {tail.contexts} contexts, nats/token"
+                if tail is not None
+                else "(no per-context KL stored with this evaluation)"
+            )
             for stat, limit in stats.items():
-                out.append(_upper_check(f"kl_{stat}_{against}[{member}]", limit,
-                                        None if tail is None else getattr(tail, stat), -KL_TOLERANCE, detail=detail))
+                out.append(
+                    _upper_check(
+                        f"kl_{stat}_{against}[{member}]",
+                        limit,
+                        None if tail is None else getattr(tail, stat),
+                        -KL_TOLERANCE,
+                        detail=detail,
+                    )
+                )
     return out
 
 
@@ -205,21 +242,31 @@ def regression_check(name: str, r: Regression, limits: NoRegression) -> GateChec
     impossible counts, or a tolerance no outcome could meet at this n: rejected, saying which."""
     tol, conf = limits.tolerance, limits.confidence
     if r.kind not in (PASS_FAIL, CONTINUOUS):
-        return GateCheckRecord(name, tol, None, False, "missing: stored without the exact paired counts "
-                                                       "(evaluated by an older version); evaluate it again")
+        return GateCheckRecord(
+            name,
+            tol,
+            None,
+            False,
+            "missing: stored without the exact paired counts (evaluated by an older version); evaluate it again",
+        )
     if not is_count(r.n) or r.n <= 0:
         return GateCheckRecord(name, tol, None, False, f"missing: no shared problems scored (n={r.n})")
     scores = f"score {_num(r.score)} vs champion {_num(r.champion_score)}"
     if r.kind == PASS_FAIL:
         if not (is_count(r.lost) and is_count(r.gained) and r.lost >= 0 and r.gained >= 0 and r.lost + r.gained <= r.n):
-            return GateCheckRecord(name, tol, math.nan, False,
-                                   f"out of range: lost={r.lost}, gained={r.gained} of n={r.n}")
-        detail = (f"Clopper-Pearson {conf:.0%} upper bound of the share lost; lost {r.lost}, gained {r.gained} "
-                  f"on {r.n} problems (exact McNemar p={mcnemar_exact_p(r.lost, r.gained):.3g}); {scores}")
+            return GateCheckRecord(
+                name, tol, math.nan, False, f"out of range: lost={r.lost}, gained={r.gained} of n={r.n}"
+            )
+        detail = (
+            f"Clopper-Pearson {conf:.0%} upper bound of the share lost; lost {r.lost}, gained {r.gained} "
+            f"on {r.n} problems (exact McNemar p={mcnemar_exact_p(r.lost, r.gained):.3g}); {scores}"
+        )
         low, high = 0.0, 1.0
     else:
-        detail = (f"t {conf:.0%} upper bound of the mean drop per problem (mean {_num(r.mean_drop)}, sample sd "
-                  f"{_num(r.sd_drop)}) on {r.n} problems; {scores}")
+        detail = (
+            f"t {conf:.0%} upper bound of the mean drop per problem (mean {_num(r.mean_drop)}, sample sd "
+            f"{_num(r.sd_drop)}) on {r.n} problems; {scores}"
+        )
         low, high = -math.inf, math.inf
     upper = r.upper(conf)
     unprovable = limits.infeasible(r.kind, r.n)
@@ -242,7 +289,9 @@ def no_regression_checks(c: CandidateMetrics, policy: ReleasePolicy) -> list[Gat
     return out
 
 
-def nfr_checks(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[list[str]] = None) -> list[GateCheckRecord]:
+def nfr_checks(
+    c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[list[str]] = None
+) -> list[GateCheckRecord]:
     out, nfr = [], policy.nfr
     label = f"{'Wilson' if nfr.bound == 'wilson' else 'Clopper-Pearson'} {nfr.confidence:.0%} upper bound"
     answered = None if domains is None else [d for d in domains if d in ANSWERED]
@@ -261,11 +310,20 @@ def nfr_checks(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[lis
             if which == "vs_champion":  # the champion's own decoding noise (flows/noise_floor.py)
                 floor = c.flips_floor.get(domain)
                 if floor is not None and floor.n == flips.n:
-                    detail += f"; noise floor F={floor.F} G={floor.G} W={floor.W} (champion re-decoded in another batching)"
+                    detail += (
+                        f"; noise floor F={floor.F} G={floor.G} W={floor.W} (champion re-decoded in another batching)"
+                    )
                     counted = max(flips.F - floor.F, 0) if nfr.above_floor else flips.F
                 elif nfr.above_floor:
-                    out.append(GateCheckRecord(name, limit, None, False, "missing: the noise floor was not measured "
-                                                                         "on these questions (nfr.above_floor)"))
+                    out.append(
+                        GateCheckRecord(
+                            name,
+                            limit,
+                            None,
+                            False,
+                            "missing: the noise floor was not measured on these questions (nfr.above_floor)",
+                        )
+                    )
                     continue
                 if nfr.above_floor:
                     detail += f"; judged on the {counted} flip(s) above the floor"
@@ -273,11 +331,21 @@ def nfr_checks(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[lis
     return out
 
 
-def churn_check(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[list[str]] = None) -> list[GateCheckRecord]:
+def churn_check(
+    c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[list[str]] = None
+) -> list[GateCheckRecord]:
     if policy.max_csqa_choice_churn is None or (domains is not None and "csqa" not in domains):
         return []
-    return [_upper_check("csqa_choice_churn_vs_champion", policy.max_csqa_choice_churn, c.csqa_choice_churn, 0.0, 1.0,
-                         "share of questions whose chosen option changed")]
+    return [
+        _upper_check(
+            "csqa_choice_churn_vs_champion",
+            policy.max_csqa_choice_churn,
+            c.csqa_choice_churn,
+            0.0,
+            1.0,
+            "share of questions whose chosen option changed",
+        )
+    ]
 
 
 def finite_check(c: CandidateMetrics) -> GateCheckRecord:
@@ -286,18 +354,25 @@ def finite_check(c: CandidateMetrics) -> GateCheckRecord:
     values |= {f"kl_vs_base[{d}]": v for d, v in c.kl_vs_base.items()}
     values |= {f"kl_vs_champion[{d}]": v for d, v in c.kl_vs_champion.items()}
     bad = sorted(k for k, v in values.items() if v is not None and not math.isfinite(v))
-    return GateCheckRecord("all_metrics_finite", 0.0, float(len(bad)), not bad,
-                           f"non-finite: {', '.join(bad)}" if bad else "no NaN/inf")
+    return GateCheckRecord(
+        "all_metrics_finite", 0.0, float(len(bad)), not bad, f"non-finite: {', '.join(bad)}" if bad else "no NaN/inf"
+    )
 
 
-def run_checks(c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[list[str]] = None) -> list[GateCheckRecord]:
+def run_checks(
+    c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[list[str]] = None
+) -> list[GateCheckRecord]:
     """Every check of the policy; `domains`: the configured retained domains the cycle watches.
     Never raises: a family of checks that cannot be computed on these values is one failed check."""
-    families = [("target_gain_vs_champion", lambda: [target_check(c, policy)]),
-                ("kl", lambda: kl_checks(c, policy, domains)), ("kl_tail", lambda: kl_tail_checks(c, policy, domains)),
-                ("no_regression", lambda: no_regression_checks(c, policy)),
-                ("nfr", lambda: nfr_checks(c, policy, domains)), ("csqa_choice_churn", lambda: churn_check(c, policy, domains)),
-                ("all_metrics_finite", lambda: [finite_check(c)])]
+    families = [
+        ("target_gain_vs_champion", lambda: [target_check(c, policy)]),
+        ("kl", lambda: kl_checks(c, policy, domains)),
+        ("kl_tail", lambda: kl_tail_checks(c, policy, domains)),
+        ("no_regression", lambda: no_regression_checks(c, policy)),
+        ("nfr", lambda: nfr_checks(c, policy, domains)),
+        ("csqa_choice_churn", lambda: churn_check(c, policy, domains)),
+        ("all_metrics_finite", lambda: [finite_check(c)]),
+    ]
     out = []
     for name, checks in families:
         try:
@@ -311,11 +386,16 @@ def passed(checks: list[GateCheckRecord]) -> bool:
     return bool(checks) and all(ch.passed for ch in checks)
 
 
-def select(candidates: list[CandidateMetrics], verdicts: dict[int, bool], policy: ReleasePolicy) -> Optional[CandidateMetrics]:
+def select(
+    candidates: list[CandidateMetrics], verdicts: dict[int, bool], policy: ReleasePolicy
+) -> Optional[CandidateMetrics]:
     """The passing candidate with the lowest retained KL (all passing ones reach the required
     target score); ties go to the other KL, then the higher target score, then the older version."""
-    primary, secondary = (("kl_vs_champion", "kl_vs_base") if policy.selection == "lowest-kl-vs-champion"
-                          else ("kl_vs_base", "kl_vs_champion"))
+    primary, secondary = (
+        ("kl_vs_champion", "kl_vs_base")
+        if policy.selection == "lowest-kl-vs-champion"
+        else ("kl_vs_base", "kl_vs_champion")
+    )
     ok = [c for c in candidates if verdicts.get(c.version_id)]
     if not ok:
         return None

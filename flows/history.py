@@ -34,6 +34,7 @@ table shows it next to KL vs the base. Evaluations stored before that show '-'.
 
 Nothing is generated again: a cell the ledger holds nothing for is None ('-').
 """
+
 from __future__ import annotations
 
 import math
@@ -42,8 +43,11 @@ from statistics import fmean
 from typing import Optional
 
 SOLVED, LOSS, MEAN = "solved", "loss", "mean"  # the kinds of skill score (see above)
-UNITS = {SOLVED: "share of problems solved", LOSS: "mean loss (e.g. reference NLL, nats/token; lower is better)",
-         MEAN: "mean score"}
+UNITS = {
+    SOLVED: "share of problems solved",
+    LOSS: "mean loss (e.g. reference NLL, nats/token; lower is better)",
+    MEAN: "mean score",
+}
 
 Row = list[Optional[float]]
 Panel = tuple[str, str, dict[str, Row]]  # (title, y label, series label -> a value per release t)
@@ -111,12 +115,16 @@ class LineHistory:
             row += [_num(kl[t].get(s)) for s in skills for kl in (self.kl_vs_teacher, self.kl_vs_base)]
             lines.append("| " + " | ".join(row) + " |")
         notes = [f"{s}: {UNITS[k]}" for s, k in dict.fromkeys(zip(self.skills, self.kinds))]
-        legend = ["", "Cells: R[t][i] raw; a loss shows its score exp(-loss) in brackets. OP_t and BWT_t are "
-                  "means of the scores on one scale (higher is better, 0 to 1): a share solved as it is, a loss "
-                  "as exp(-loss).",
-                  "KL in nats/token. KL vs teacher [s]: on skill s's contexts against the release that taught s "
-                  "(retention); KL vs base: against the base, for a skill including its intended change.",
-                  "", "Skills: " + "; ".join(notes) + "."]
+        legend = [
+            "",
+            "Cells: R[t][i] raw; a loss shows its score exp(-loss) in brackets. OP_t and BWT_t are "
+            "means of the scores on one scale (higher is better, 0 to 1): a share solved as it is, a loss "
+            "as exp(-loss).",
+            "KL in nats/token. KL vs teacher [s]: on skill s's contexts against the release that taught s "
+            "(retention); KL vs base: against the base, for a skill including its intended change.",
+            "",
+            "Skills: " + "; ".join(notes) + ".",
+        ]
         return "\n".join(lines + legend)
 
     def panels(self) -> list[Panel]:
@@ -125,23 +133,35 @@ class LineHistory:
         t_all = range(len(self.releases))
 
         def skill_series(kind: str) -> dict[str, Row]:
-            return {f"{i + 1}: {s}": [self.scaled(t)[i] for t in t_all]
-                    for i, (s, k) in enumerate(zip(self.skills, self.kinds)) if k == kind}
+            return {
+                f"{i + 1}: {s}": [self.scaled(t)[i] for t in t_all]
+                for i, (s, k) in enumerate(zip(self.skills, self.kinds))
+                if k == kind
+            }
 
         domains, skills = self.kl_columns()
-        line: Panel = ("The line (TRACE)", "mean of skill scores (0-1 scale)",
-                       {"OP_t": [self.op(t) for t in t_all], "BWT_t": [self.bwt(t) for t in t_all]})
+        line: Panel = (
+            "The line (TRACE)",
+            "mean of skill scores (0-1 scale)",
+            {"OP_t": [self.op(t) for t in t_all], "BWT_t": [self.bwt(t) for t in t_all]},
+        )
         out: list[Panel] = [
             ("Solved-problem skills", "share solved (0-1)", skill_series(SOLVED)),
             ("Loss skills (e.g. reference NLL)", "exp(-loss): per-token probability (0-1)", skill_series(LOSS)),
             ("Mean-score skills", "mean score (0-1)", skill_series(MEAN)),
             line,
             ("Drift: retained KL vs the base", "nats/token", {d: [r.get(d) for r in self.kl_vs_base] for d in domains}),
-            ("Released skills: KL vs teacher and vs base", "nats/token",
-             {f"{s} vs {ref}": [r.get(s) for r in kl] for s in skills
-              for ref, kl in (("teacher", self.kl_vs_teacher), ("base", self.kl_vs_base))}),
+            (
+                "Released skills: KL vs teacher and vs base",
+                "nats/token",
+                {
+                    f"{s} vs {ref}": [r.get(s) for r in kl]
+                    for s in skills
+                    for ref, kl in (("teacher", self.kl_vs_teacher), ("base", self.kl_vs_base))
+                },
+            ),
         ]
-        drawn = lambda series: any(v is not None for row in series.values() for v in row)  # noqa: E731
+        drawn = lambda series: any(v is not None for row in series.values() for v in row)
         return [p for p in out if p is line or drawn(p[2])]
 
     def metrics(self) -> dict[str, float]:
@@ -187,8 +207,15 @@ def _raw(scorer, answers: dict) -> Optional[float]:
 
 def line_history(ledger, model_id: int, version_id: int) -> LineHistory:
     """The history of the chain ending at `version_id` (usually the champion)."""
-    from registry import (base_version, evaluation_extra, get_answers, get_version, latest_evaluation,
-                          training_run_config, version_chain)
+    from registry import (
+        base_version,
+        evaluation_extra,
+        get_answers,
+        get_version,
+        latest_evaluation,
+        training_run_config,
+        version_chain,
+    )
 
     from .components import make_scorer  # light: no Prefect (`atlas history` must answer at once)
 
@@ -209,5 +236,12 @@ def line_history(ledger, model_id: int, version_id: int) -> LineHistory:
         kl.append({k.domain: k.kl_vs_base for k in ev.kl} if ev else {})
         kl_teacher.append(dict(evaluation_extra(ledger, ev.id).get("kl_vs_teacher", {})) if ev else {})
     parents = ["-"] + [get_version(ledger, v.parent_id).name for v in chain]
-    return LineHistory([v.name for v in versions], parents, [v.skill for v in chain],
-                       [kind_of(s) if s is not None else SOLVED for s in scorers], scores, kl, kl_teacher)
+    return LineHistory(
+        [v.name for v in versions],
+        parents,
+        [v.skill for v in chain],
+        [kind_of(s) if s is not None else SOLVED for s in scorers],
+        scores,
+        kl,
+        kl_teacher,
+    )

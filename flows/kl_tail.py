@@ -11,6 +11,7 @@ retained set (configured domains and released skills). Pure functions; the evalu
 them in its `extra` (to_extra / from_extra), where NaN/inf are written as strings because the
 ledger's JSON refuses them.
 """
+
 from __future__ import annotations
 
 import math
@@ -81,6 +82,7 @@ def distinctive(texts: Sequence[str]) -> list[str]:
 def most_moved(per_context: Sequence[float], texts: Sequence[str], k: int = TOP_K) -> list[MovedContext]:
     """The k contexts of largest KL, largest first (ties: the lower index), with the beginning of
     what is their own (distinctive). A non-finite value sorts first: it is the one to look at."""
+
     def key(i: int) -> tuple[float, int]:
         v = per_context[i]
         return (-math.inf if v is None or not math.isfinite(v) else -v, i)
@@ -89,13 +91,15 @@ def most_moved(per_context: Sequence[float], texts: Sequence[str], k: int = TOP_
     return [MovedContext(i, per_context[i], snippet(own[i])) for i in sorted(range(len(per_context)), key=key)[:k]]
 
 
-def summarise(per_context: Mapping[str, Mapping[str, Sequence[float]]], texts: Callable[[str], Sequence[str]],
-              k: int = TOP_K) -> tuple[dict[str, dict[str, KLTail]], dict[str, dict[str, list[MovedContext]]]]:
+def summarise(
+    per_context: Mapping[str, Mapping[str, Sequence[float]]], texts: Callable[[str], Sequence[str]], k: int = TOP_K
+) -> tuple[dict[str, dict[str, KLTail]], dict[str, dict[str, list[MovedContext]]]]:
     """per_context: reference (AGAINST) -> member -> its per-context KL, in the order of
     `texts(member)`. Returns the tails and the k contexts that moved most, keyed the same way."""
     tails = {against: {m: tail(v) for m, v in members.items()} for against, members in per_context.items()}
-    moved = {against: {m: most_moved(v, texts(m), k) for m, v in members.items()}
-             for against, members in per_context.items()}
+    moved = {
+        against: {m: most_moved(v, texts(m), k) for m, v in members.items()} for against, members in per_context.items()
+    }
     return tails, moved
 
 
@@ -110,24 +114,44 @@ def _number(v) -> Optional[float]:
 
 def to_extra(tails: dict[str, dict[str, KLTail]], moved: dict[str, dict[str, list[MovedContext]]]) -> dict:
     """The evaluation's `extra` entries "kl_tail" and "kl_top_contexts" (JSON, NaN/inf as strings)."""
-    return {"kl_tail": {a: {m: asdict(t) | {s: _json(getattr(t, s)) for s in STATISTICS} for m, t in members.items()}
-                        for a, members in tails.items()},
-            "kl_top_contexts": {a: {m: [asdict(c) | {"kl": _json(c.kl)} for c in top] for m, top in members.items()}
-                                for a, members in moved.items()}}
+    return {
+        "kl_tail": {
+            a: {m: asdict(t) | {s: _json(getattr(t, s)) for s in STATISTICS} for m, t in members.items()}
+            for a, members in tails.items()
+        },
+        "kl_top_contexts": {
+            a: {m: [asdict(c) | {"kl": _json(c.kl)} for c in top] for m, top in members.items()}
+            for a, members in moved.items()
+        },
+    }
 
 
 def from_extra(extra: dict) -> tuple[dict[str, dict[str, KLTail]], dict[str, dict[str, list[MovedContext]]]]:
     """What to_extra stored; empty for an evaluation stored before tails were measured (a tail
     limit then fails closed as not measured)."""
-    tails = {a: {m: KLTail(*(_number(t.get(s)) for s in STATISTICS), contexts=int(t.get("contexts", 0)))
-                 for m, t in members.items()} for a, members in extra.get("kl_tail", {}).items()}
-    moved = {a: {m: [MovedContext(int(c["index"]), _number(c["kl"]), str(c["text"])) for c in top]
-                 for m, top in members.items()} for a, members in extra.get("kl_top_contexts", {}).items()}
+    tails = {
+        a: {
+            m: KLTail(*(_number(t.get(s)) for s in STATISTICS), contexts=int(t.get("contexts", 0)))
+            for m, t in members.items()
+        }
+        for a, members in extra.get("kl_tail", {}).items()
+    }
+    moved = {
+        a: {
+            m: [MovedContext(int(c["index"]), _number(c["kl"]), str(c["text"])) for c in top]
+            for m, top in members.items()
+        }
+        for a, members in extra.get("kl_top_contexts", {}).items()
+    }
     return tails, moved
 
 
 def rows(moved: dict[str, dict[str, list[MovedContext]]]) -> list[dict]:
     """One row per listed context (reference, member, rank 1..k, context index, KL, text): the
     report's table and the MLflow table (flows/evaluate.py: record_candidate) are both these rows."""
-    return [{"against": a, "member": m, "rank": rank, "context": c.index, "kl": c.kl, "text": c.text}
-            for a in AGAINST for m, top in sorted(moved.get(a, {}).items()) for rank, c in enumerate(top, 1)]
+    return [
+        {"against": a, "member": m, "rank": rank, "context": c.index, "kl": c.kl, "text": c.text}
+        for a in AGAINST
+        for m, top in sorted(moved.get(a, {}).items())
+        for rank, c in enumerate(top, 1)
+    ]

@@ -20,6 +20,7 @@ With `nfr.above_floor: true` the NFR bound is computed on max(F - F_floor, 0): f
 floor. That is a correction, not an exact statistic (the floor is itself one draw of the
 noise), so it is off by default.
 """
+
 from __future__ import annotations
 
 from .cycle import CycleContext
@@ -47,4 +48,3 @@ def flip_floor(ctx: CycleContext, champion_answers: dict) -> dict[str, Flips]:
         again = version_answers(ctx, ctx.champion, kind, f"{datasets[kind]}#b{batch}", list(usual), batch_size=batch)
         out[kind] = flips(usual, again)
     return out
-

@@ -15,6 +15,7 @@ Multi-host: the same code with URLs in the environment (see docs/FLOWS.md):
     ATLAS_MLFLOW_ARTIFACT_ROOT    default mlflow-artifacts:/atlas (proxied by the server)
     PREFECT_API_URL               a Prefect server; unset means Prefect's local mode
 """
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,12 @@ class Platform:
     bridge: object  # registry.MlflowBridge
 
     def describe(self) -> dict[str, str]:
-        return {"state": str(self.state), "ledger": _hide_password(self.ledger.url),
-                "artifacts": self.store.root_url, "mlflow": self.bridge.config.tracking_uri}
+        return {
+            "state": str(self.state),
+            "ledger": _hide_password(self.ledger.url),
+            "artifacts": self.store.root_url,
+            "mlflow": self.bridge.config.tracking_uri,
+        }
 
     def close(self) -> None:
         self.ledger.close()

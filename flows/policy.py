@@ -14,6 +14,7 @@ A threshold that no outcome could meet at the cycle's sample sizes (an NFR limit
 names the field and the n it would need: `load_policy(..., sizes=answered_sizes(config))`
 for NFR, `require_feasible_released` / `require_feasible_target` once the scorers are known.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,9 +23,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from .config import digest, resolve
 from atlas_core.typed_config import ConfigError, build, field, load_yaml
 from evaluation.stats import RATE_BOUNDS, clopper_pearson_upper, min_n_for_zero, rate_upper, wilson_upper  # noqa: F401 (wilson_upper: still importable from here)
+
+from .config import digest, resolve
 from .kl_tail import STATISTICS
 
 if TYPE_CHECKING:
@@ -32,30 +34,38 @@ if TYPE_CHECKING:
 
 BOUNDS = RATE_BOUNDS
 PASS_FAIL, CONTINUOUS = "pass-fail", "continuous"  # kinds of released-skill scorers (flows/gates.py: Regression)
-RELEASED = "released"
-ANSWERED = ("gsm8k", "csqa")  # retained domains whose questions are answered (churn, NFR); others are KL-only  # key of the thresholds that apply to every released skill not named itself
+RELEASED = "released"  # key of the thresholds that apply to every released skill not named itself
+# Retained domains whose questions are answered (churn, NFR); others are KL-only.
+ANSWERED = ("gsm8k", "csqa")
 SELECTION = ("lowest-kl-vs-champion", "lowest-kl-vs-base")
 METHOD = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a run config's file name without .yaml
 
 
 @dataclass
 class Candidates:
-    methods: list[str] = field("Methods to train: names of run configs in the update config's train.configs_dir "
-                               "(e.g. atlas, weight-lora, replay, output-kl-0.3).", factory=lambda: ["atlas"])
+    methods: list[str] = field(
+        "Methods to train: names of run configs in the update config's train.configs_dir "
+        "(e.g. atlas, weight-lora, replay, output-kl-0.3).",
+        factory=lambda: ["atlas"],
+    )
     seeds: list[int] = field("Seeds; every method is trained once per seed.", factory=lambda: [0])
 
     def __post_init__(self) -> None:
         for name, items in (("methods", self.methods), ("seeds", self.seeds)):
             if not items:
-                raise ConfigError(f"{name}: expected a non-empty list of distinct {'names' if name == 'methods' else 'seeds'}, "
-                                  f"got {items!r}")
+                raise ConfigError(
+                    f"{name}: expected a non-empty list of distinct {'names' if name == 'methods' else 'seeds'}, "
+                    f"got {items!r}"
+                )
             for i, item in enumerate(items):
                 if items.index(item) != i:
                     raise ConfigError(f"{name}[{i}]: {item!r} is listed twice (also at index {items.index(item)})")
         for i, method in enumerate(self.methods):
             if not METHOD.match(method):
-                raise ConfigError(f"methods[{i}]: expected the name of a run config (<name>.yaml in train.configs_dir), "
-                                  f"got {method!r}")
+                raise ConfigError(
+                    f"methods[{i}]: expected the name of a run config (<name>.yaml in train.configs_dir), "
+                    f"got {method!r}"
+                )
         for i, seed in enumerate(self.seeds):
             if not 0 <= seed < 2**31:  # the ledger stores it in a 32-bit column
                 raise ConfigError(f"seeds[{i}]: expected an integer in [0, 2**31), got {seed!r}")
@@ -66,22 +76,29 @@ class Candidates:
         for i, method in enumerate(self.methods):
             if not (folder / f"{method}.yaml").is_file():
                 known = sorted(p.stem for p in folder.glob("*.yaml"))
-                raise ConfigError(f"candidates.methods[{i}]: no run config {method}.yaml in {configs_dir} "
-                                  f"(train.configs_dir of the update config); expected one of {known}")
+                raise ConfigError(
+                    f"candidates.methods[{i}]: no run config {method}.yaml in {configs_dir} "
+                    f"(train.configs_dir of the update config); expected one of {known}"
+                )
 
 
 @dataclass
 class NfrLimits:
     bound: str = field(f"One-sided upper confidence bound on the negative-flip rate, one of {BOUNDS}.", "wilson")
     confidence: float = field("Confidence level of the one-sided bound.", 0.95)
-    max_vs_champion: dict[str, float] = field("Per domain: largest allowed upper bound of NFR against the champion.",
-                                              factory=dict)
-    max_vs_base: dict[str, float] = field("Per domain: largest allowed upper bound of NFR against the base model.",
-                                          factory=dict)
-    above_floor: bool = field("Judge flips against the champion above its own noise floor: the bound is computed on "
-                              "max(F - F_floor, 0), F_floor the champion's negative flips when its answers are decoded "
-                              "again in another batching (flows/noise_floor.py). A correction, not an exact statistic: off "
-                              "by default; the floor is reported beside F either way.", False)
+    max_vs_champion: dict[str, float] = field(
+        "Per domain: largest allowed upper bound of NFR against the champion.", factory=dict
+    )
+    max_vs_base: dict[str, float] = field(
+        "Per domain: largest allowed upper bound of NFR against the base model.", factory=dict
+    )
+    above_floor: bool = field(
+        "Judge flips against the champion above its own noise floor: the bound is computed on "
+        "max(F - F_floor, 0), F_floor the champion's negative flips when its answers are decoded "
+        "again in another batching (flows/noise_floor.py). A correction, not an exact statistic: off "
+        "by default; the floor is reported beside F either way.",
+        False,
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.above_floor, bool):
@@ -101,14 +118,20 @@ class NfrLimits:
 
 @dataclass
 class NoRegression:
-    tolerance: float = field("Largest allowed one-sided upper bound of the skill's loss against the champion. Pass/fail "
-                             "scorers (solved or not, e.g. MBPP+): the exact Clopper-Pearson bound of the share of "
-                             "problems the champion solved and the candidate does not (32 problems: 0 lost gives 0.089, "
-                             "1 lost 0.140). Continuous scorers (e.g. reference-nll, nats/token): the Student-t bound of "
-                             "the mean per-problem drop.", 0.1)
+    tolerance: float = field(
+        "Largest allowed one-sided upper bound of the skill's loss against the champion. Pass/fail "
+        "scorers (solved or not, e.g. MBPP+): the exact Clopper-Pearson bound of the share of "
+        "problems the champion solved and the candidate does not (32 problems: 0 lost gives 0.089, "
+        "1 lost 0.140). Continuous scorers (e.g. reference-nll, nats/token): the Student-t bound of "
+        "the mean per-problem drop.",
+        0.1,
+    )
     confidence: float = field("Confidence level of the one-sided bound.", 0.95)
-    min_n: int = field("Continuous scorers: fewest shared problems the t bound is computed on (fewer: rejected, and "
-                       "refused at load when the skill has fewer problems).", 8)
+    min_n: int = field(
+        "Continuous scorers: fewest shared problems the t bound is computed on (fewer: rejected, and "
+        "refused at load when the skill has fewer problems).",
+        8,
+    )
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
@@ -131,36 +154,55 @@ class NoRegression:
             return None
         zero = clopper_pearson_upper(0, n, self.confidence)
         needs = "no n can prove a tolerance of 0" if need is None else f"needs n >= {need}"
-        return (f"tolerance {self.tolerance:g} is unprovable at n={n}: even 0 lost gives a Clopper-Pearson "
-                f"{self.confidence:.0%} upper bound of {zero:.3f}; {needs}")
+        return (
+            f"tolerance {self.tolerance:g} is unprovable at n={n}: even 0 lost gives a Clopper-Pearson "
+            f"{self.confidence:.0%} upper bound of {zero:.3f}; {needs}"
+        )
 
 
 @dataclass
 class ReleasePolicy:
     name: str = field("Policy name, recorded with every gate decision (with a hash of the whole policy).", "default")
     candidates: Candidates = field("What the cycle trains (method x seed).", factory=Candidates)
-    min_target_gain: float = field("Gain over the champion a candidate must reach on the taught skill, in its scorer's "
-                                   "units: solved problems (0: no regression), or nats/token of reference-nll.", 1)
-    max_kl_vs_champion: dict[str, float] = field("Per domain: largest retained KL (nats/token) against the champion; "
-                                                 f"key {RELEASED!r}: for every released skill not listed by name.",
-                                                 factory=dict)
-    max_kl_vs_base: dict[str, float] = field("Per domain: largest retained KL (nats/token) against the base model.",
-                                             factory=dict)
+    min_target_gain: float = field(
+        "Gain over the champion a candidate must reach on the taught skill, in its scorer's "
+        "units: solved problems (0: no regression), or nats/token of reference-nll.",
+        1,
+    )
+    max_kl_vs_champion: dict[str, float] = field(
+        "Per domain: largest retained KL (nats/token) against the champion; "
+        f"key {RELEASED!r}: for every released skill not listed by name.",
+        factory=dict,
+    )
+    max_kl_vs_base: dict[str, float] = field(
+        "Per domain: largest retained KL (nats/token) against the base model.", factory=dict
+    )
     max_kl_tail_vs_champion: dict[str, dict[str, float]] = field(
         f"Optional: per domain (or {RELEASED!r} for every released skill not named), the largest allowed "
         f"{'/'.join(STATISTICS)} of the per-context retained KL against the champion (nats/token; p95/p99: quantiles "
         "over the member's contexts by linear interpolation, numpy's default; max: the largest context). E.g. "
-        "{csqa: {p95: 0.1, max: 0.5}}. Empty: not checked; a limit on a tail not measured fails.", factory=dict)
+        "{csqa: {p95: 0.1, max: 0.5}}. Empty: not checked; a limit on a tail not measured fails.",
+        factory=dict,
+    )
     max_kl_tail_vs_base: dict[str, dict[str, float]] = field(
         "Optional: the same limits against the base model, on configured domains only (released skills moved away "
-        "from the base by design).", factory=dict)
+        "from the base by design).",
+        factory=dict,
+    )
     nfr: NfrLimits = field("Negative-flip-rate limits (upper confidence bounds).", factory=NfrLimits)
-    no_regression: dict[str, NoRegression] = field(f"Per released skill (or {RELEASED!r} for all not named): how far its "
-                                                   "target score may drop against the champion.",
-                                                   factory=lambda: {RELEASED: NoRegression()})
-    max_csqa_choice_churn: float | None = field("Largest share of CSQA questions whose chosen option changed against the "
-                                                "champion (null: not checked; only when csqa is watched).", None)
-    selection: str = field(f"Among passing checkpoints, pick by {SELECTION} (mean over domains).", "lowest-kl-vs-champion")
+    no_regression: dict[str, NoRegression] = field(
+        f"Per released skill (or {RELEASED!r} for all not named): how far its "
+        "target score may drop against the champion.",
+        factory=lambda: {RELEASED: NoRegression()},
+    )
+    max_csqa_choice_churn: float | None = field(
+        "Largest share of CSQA questions whose chosen option changed against the "
+        "champion (null: not checked; only when csqa is watched).",
+        None,
+    )
+    selection: str = field(
+        f"Among passing checkpoints, pick by {SELECTION} (mean over domains).", "lowest-kl-vs-champion"
+    )
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -177,12 +219,16 @@ class ReleasePolicy:
                     raise ConfigError(f"{name}.{member}: expected a limit on at least one of {list(STATISTICS)}")
                 for stat, value in limits.items():
                     if stat not in STATISTICS:
-                        raise ConfigError(f"{name}.{member}.{stat}: unknown statistic; expected one of {list(STATISTICS)}")
+                        raise ConfigError(
+                            f"{name}.{member}.{stat}: unknown statistic; expected one of {list(STATISTICS)}"
+                        )
                     if not (math.isfinite(value) and value >= 0):
                         raise ConfigError(f"{name}.{member}.{stat}: expected a finite number >= 0, got {value!r}")
         if RELEASED in self.max_kl_tail_vs_base:
-            raise ConfigError(f"max_kl_tail_vs_base.{RELEASED}: released skills are checked against the champion only "
-                              "(max_kl_tail_vs_champion)")
+            raise ConfigError(
+                f"max_kl_tail_vs_base.{RELEASED}: released skills are checked against the champion only "
+                "(max_kl_tail_vs_champion)"
+            )
         if self.max_csqa_choice_churn is not None and not 0 <= self.max_csqa_choice_churn <= 1:
             raise ConfigError(f"max_csqa_choice_churn: expected a share in [0, 1], got {self.max_csqa_choice_churn!r}")
         if self.selection not in SELECTION:
@@ -191,20 +237,26 @@ class ReleasePolicy:
     def require_domains(self, domains: list[str]) -> None:
         """Every watched domain needs every per-domain threshold (fail closed on omissions)."""
         answered = [d for d in domains if d in ANSWERED]  # only these have answers to flip
-        for name, limits, watched in (("max_kl_vs_champion", self.max_kl_vs_champion, domains),
-                                      ("max_kl_vs_base", self.max_kl_vs_base, domains),
-                                      ("nfr.max_vs_champion", self.nfr.max_vs_champion, answered),
-                                      ("nfr.max_vs_base", self.nfr.max_vs_base, answered)):
+        for name, limits, watched in (
+            ("max_kl_vs_champion", self.max_kl_vs_champion, domains),
+            ("max_kl_vs_base", self.max_kl_vs_base, domains),
+            ("nfr.max_vs_champion", self.nfr.max_vs_champion, answered),
+            ("nfr.max_vs_base", self.nfr.max_vs_base, answered),
+        ):
             missing = [d for d in watched if d not in limits]
             if missing:
-                raise ConfigError(f"{name}: no threshold for watched domain(s) {missing}; set one for each of {domains}")
+                raise ConfigError(
+                    f"{name}: no threshold for watched domain(s) {missing}; set one for each of {domains}"
+                )
 
     def require_released(self, skills: list[str]) -> None:
         """Every released skill needs a KL limit against the champion and a no-regression tolerance."""
         for name, limits in (("max_kl_vs_champion", self.max_kl_vs_champion), ("no_regression", self.no_regression)):
             missing = [s for s in skills if s not in limits and RELEASED not in limits]
             if missing:
-                raise ConfigError(f"{name}: no threshold for released skill(s) {missing}; name them or set {RELEASED!r}")
+                raise ConfigError(
+                    f"{name}: no threshold for released skill(s) {missing}; name them or set {RELEASED!r}"
+                )
 
     def require_feasible_answers(self, sizes: dict[str, int]) -> None:
         """Every NFR limit on a domain answered by `sizes[domain]` questions can be met with 0 flips."""
@@ -216,9 +268,11 @@ class ReleasePolicy:
                 if n is None or (need is not None and n >= need):
                     continue
                 needs = "no n can prove a limit of 0" if need is None else f"needs >= {need} questions"
-                raise ConfigError(f"nfr.{which}.{domain}: limit {limit:g} is unprovable with {n} questions (even 0 flips "
-                                  f"gives a {label} upper bound of {self.nfr.upper(0, n):.3f}); {needs} "
-                                  f"(retained.{domain}_questions) or a looser limit")
+                raise ConfigError(
+                    f"nfr.{which}.{domain}: limit {limit:g} is unprovable with {n} questions (even 0 flips "
+                    f"gives a {label} upper bound of {self.nfr.upper(0, n):.3f}); {needs} "
+                    f"(retained.{domain}_questions) or a looser limit"
+                )
 
     def require_feasible_released(self, skills: dict[str, tuple[str, int]]) -> None:
         """skills: released skill -> (scorer kind, number of problems); each tolerance must be provable."""
@@ -232,8 +286,10 @@ class ReleasePolicy:
     def require_feasible_target(self, problems: int, solved_counts: bool) -> None:
         """A solved-count target of `problems` problems cannot gain more than that over the champion."""
         if solved_counts and self.min_target_gain > problems:
-            raise ConfigError(f"min_target_gain: {self.min_target_gain:g} solved problems cannot be gained on a target "
-                              f"of {problems} problems; expected at most {problems}")
+            raise ConfigError(
+                f"min_target_gain: {self.min_target_gain:g} solved problems cannot be gained on a target "
+                f"of {problems} problems; expected at most {problems}"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -255,7 +311,9 @@ def answered_sizes(config: "UpdateConfig") -> dict[str, int]:
     return {d: sizes[d] for d in config.domain_names if d in sizes}
 
 
-def load_policy(path: str | Path, domains: list[str] | None = None, sizes: dict[str, int] | None = None) -> ReleasePolicy:
+def load_policy(
+    path: str | Path, domains: list[str] | None = None, sizes: dict[str, int] | None = None
+) -> ReleasePolicy:
     """Parse and validate a policy file; with `domains`, require thresholds for each of them;
     with `sizes` (domain -> questions answered, `answered_sizes(config)`), require every NFR
     limit to be provable at those sizes."""

@@ -11,14 +11,20 @@ revision, weights sha256) unless the folder bundles it. ATLAS_DTYPE / ATLAS_DEVI
 loads; ATLAS_REQUIRE_SIDECAR=0 (a version published before manifest sidecars) and
 ATLAS_VERIFY_BACKBONE=0 (a manifest that names no backbone weights) are the explicit opt-outs.
 """
+
 from __future__ import annotations
 
 import os
 
 import mlflow.pyfunc
 
-SAMPLING_PARAMS = {"max_new_tokens": ("long", 256), "temperature": ("double", 0.0), "top_p": ("double", 1.0),
-                   "top_k": ("long", 0), "seed": ("long", -1)}  # seed -1: none
+SAMPLING_PARAMS = {
+    "max_new_tokens": ("long", 256),
+    "temperature": ("double", 0.0),
+    "top_p": ("double", 1.0),
+    "top_k": ("long", 0),
+    "seed": ("long", -1),
+}  # seed -1: none
 
 
 class ReleaseModel(mlflow.pyfunc.PythonModel):
@@ -29,10 +35,14 @@ class ReleaseModel(mlflow.pyfunc.PythonModel):
         from atlas_core.release import load_folder
         from evaluation.tiny import load_model
 
-        self.release = load_folder(context.artifacts["release"], dtype=os.environ.get("ATLAS_DTYPE", "auto"),
-                                   device=os.environ.get("ATLAS_DEVICE") or None, backbone_loader=load_model,
-                                   verify_backbone=os.environ.get("ATLAS_VERIFY_BACKBONE") != "0",
-                                   require_sidecar=os.environ.get("ATLAS_REQUIRE_SIDECAR") != "0")
+        self.release = load_folder(
+            context.artifacts["release"],
+            dtype=os.environ.get("ATLAS_DTYPE", "auto"),
+            device=os.environ.get("ATLAS_DEVICE") or None,
+            backbone_loader=load_model,
+            verify_backbone=os.environ.get("ATLAS_VERIFY_BACKBONE") != "0",
+            require_sidecar=os.environ.get("ATLAS_REQUIRE_SIDECAR") != "0",
+        )
 
     def predict(self, context, model_input, params=None):
         import pandas as pd
@@ -73,9 +83,11 @@ def pyfunc_model():
 
     from registry import PyfuncModel
 
-    signature = ModelSignature(inputs=Schema([ColSpec("string", "prompt")]),
-                               outputs=Schema([ColSpec("string", "text")]),
-                               params=ParamSchema([ParamSpec(k, t, d) for k, (t, d) in SAMPLING_PARAMS.items()]))
+    signature = ModelSignature(
+        inputs=Schema([ColSpec("string", "prompt")]),
+        outputs=Schema([ColSpec("string", "text")]),
+        params=ParamSchema([ParamSpec(k, t, d) for k, (t, d) in SAMPLING_PARAMS.items()]),
+    )
     example = pd.DataFrame({"prompt": ["Write a Python function that returns the sum of two numbers."]})
     return PyfuncModel(ReleaseModel(), signature, example, _requirements())
 
@@ -93,9 +105,14 @@ def save_pyfunc(release, source, out, bundle_backbone: bool = False):
     with tempfile.TemporaryDirectory(prefix="atlas-pyfunc-") as tmp, atomic_folder(out) as model_dir:
         folder = export_folder(release, source, Path(tmp) / "release", bundle_backbone=bundle_backbone)
         model_dir.rmdir()  # save_model creates the folder itself
-        mlflow.pyfunc.save_model(str(model_dir), python_model=spec.python_model, artifacts={"release": str(folder)},
-                                 signature=spec.signature, input_example=spec.input_example,
-                                 pip_requirements=spec.pip_requirements)
+        mlflow.pyfunc.save_model(
+            str(model_dir),
+            python_model=spec.python_model,
+            artifacts={"release": str(folder)},
+            signature=spec.signature,
+            input_example=spec.input_example,
+            pip_requirements=spec.pip_requirements,
+        )
     return Path(out)
 
 

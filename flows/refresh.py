@@ -7,6 +7,7 @@ sha256), each member's data (sha256) and how many examples of each, and the atla
 A new champion or a newly released skill therefore refits; otherwise the stored file is
 fetched (sha256-verified) and loaded.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,10 +29,19 @@ def atlas_plan(ctx: CycleContext, variant: str) -> dict:
     from .retained import calibration_rows, member_data, share_examples
 
     spec, members, bb = ctx.config.atlas, ctx.members, ctx.backbone
-    examples = share_examples(math.ceil(spec.num_vectors / spec.per_example), {m: calibration_rows(ctx, m) for m in members})
-    return {"backbone": bb.name, "revision": bb.revision, "dtype": bb.dtype, "layer": ctx.layer, "variant": variant,
-            "config": asdict(spec), "champion_chain": [v.adapter_sha256 for v in ctx.champion.deltas],
-            "data": {m: member_data(ctx, m) | {"examples": examples[m]} for m in members}}
+    examples = share_examples(
+        math.ceil(spec.num_vectors / spec.per_example), {m: calibration_rows(ctx, m) for m in members}
+    )
+    return {
+        "backbone": bb.name,
+        "revision": bb.revision,
+        "dtype": bb.dtype,
+        "layer": ctx.layer,
+        "variant": variant,
+        "config": asdict(spec),
+        "champion_chain": [v.adapter_sha256 for v in ctx.champion.deltas],
+        "data": {m: member_data(ctx, m) | {"examples": examples[m]} for m in members},
+    }
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
@@ -68,8 +78,14 @@ def fit_and_save(spec: AtlasSpec, x: torch.Tensor, plan: dict, content_hash: str
 
     from .runtime import platform
 
-    config = AtlasConfig(num_charts=spec.charts, rank=spec.rank, variant=plan["variant"], num_vectors=spec.num_vectors,
-                         per_example=spec.per_example, seed=spec.seed)
+    config = AtlasConfig(
+        num_charts=spec.charts,
+        rank=spec.rank,
+        variant=plan["variant"],
+        num_vectors=spec.num_vectors,
+        per_example=spec.per_example,
+        seed=spec.seed,
+    )
     atlas = fit_atlas(x, config, meta={**plan, "content_hash": content_hash})
     path = platform().state / "atlases" / f"{content_hash[:16]}-{plan['variant']}.safetensors"
     atlas.save(path)
@@ -85,10 +101,13 @@ def store_and_record(backbone_id: int, layer: int, path: Path, plan: dict, conte
 
     store = platform().store
     artifact, manifest = store.put_file(path), store.put_file(path.with_suffix(".json"))
-    datasets = [ensure_dataset(ledger(), info.get("dataset", m), "calibration", info["sha256"])
-                for m, info in plan["data"].items()]
-    info = record_atlas(ledger(), content_hash, backbone_id, layer, {**plan, "manifest_sha256": manifest.sha256},
-                        artifact, datasets)
+    datasets = [
+        ensure_dataset(ledger(), info.get("dataset", m), "calibration", info["sha256"])
+        for m, info in plan["data"].items()
+    ]
+    info = record_atlas(
+        ledger(), content_hash, backbone_id, layer, {**plan, "manifest_sha256": manifest.sha256}, artifact, datasets
+    )
     return AtlasRef(plan["variant"], info.id, atlas_file(str(path)).sha256, content_hash, str(path))
 
 

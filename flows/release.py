@@ -7,6 +7,7 @@ publishes the selected version to MLflow and moves `champion` in one ledger tran
 `champion` back to the previous holder with a recorded reason (flows/cli_ops.py: rollback_champion,
 which `atlas rollback` calls without a flow run).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,8 +20,8 @@ from evaluation.timing import phase
 from registry import GateCheckRecord, ReleaseInfo
 
 from .cycle import CycleContext
-from .retries import transient_only
 from .gates import CandidateMetrics, passed, run_checks, select
+from .retries import transient_only
 
 
 @dataclass(frozen=True)
@@ -43,12 +44,24 @@ def record_decision(ctx: CycleContext, m: CandidateMetrics, checks: list[GateChe
     from .runtime import ledger
 
     last, policy = latest_gate_decision(ledger(), m.version_id), ctx.policy
-    if (last is not None and last.evaluation_id == m.evaluation_id and last.release_version_id == ctx.champion_id
-            and last.policy_name == policy.label and last.evaluation_id is not None):
+    if (
+        last is not None
+        and last.evaluation_id == m.evaluation_id
+        and last.release_version_id == ctx.champion_id
+        and last.policy_name == policy.label
+        and last.evaluation_id is not None
+    ):
         return last.id
-    info = record_gate_decision(ledger(), m.version_id, policy.label, policy.to_dict() | {"hash": policy.hash}, checks,
-                                evaluation_id=m.evaluation_id, release_version_id=ctx.champion_id,
-                                flow_run_id=ctx.flow_run_id)
+    info = record_gate_decision(
+        ledger(),
+        m.version_id,
+        policy.label,
+        policy.to_dict() | {"hash": policy.hash},
+        checks,
+        evaluation_id=m.evaluation_id,
+        release_version_id=ctx.champion_id,
+        flow_run_id=ctx.flow_run_id,
+    )
     return info.id
 
 

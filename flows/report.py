@@ -5,6 +5,7 @@ Written atomically into `<state>/reports/<model>/<time>-<flow run>/` (report.md,
 tradeoff.png, churn.png, history.png); `<state>/reports/<model>/LATEST` names the newest folder
 (`atlas status` reads it: flows/cli_ops.py, latest_report).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,9 @@ def summary_table(candidates: list[CandidateMetrics], outcome, selected_id) -> l
     head += ["verdict"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in candidates:
-        verdict = "**selected**" if c.version_id == selected_id else ("pass" if outcome.verdict(c.version_id) else "reject")
+        verdict = (
+            "**selected**" if c.version_id == selected_id else ("pass" if outcome.verdict(c.version_id) else "reject")
+        )
         row = [c.name, f"{_num(c.target_solved)}/{c.target_total}"]
         row += [_num(c.kl_vs_champion.get(d)) for d in domains] + [_num(c.kl_vs_base.get(d)) for d in domains]
         lines.append("| " + " | ".join(row + [verdict]) + " |")
@@ -41,23 +44,35 @@ def check_tables(candidates: list[CandidateMetrics], outcome) -> list[str]:
     lines = []
     for c in candidates:
         decision = outcome.decisions.get(c.version_id)
-        lines += ["", f"#### {c.name} (gate decision {decision}: {'PASS' if outcome.verdict(c.version_id) else 'REJECT'})",
-                  "", "| check | threshold | measured | result | detail |", "|---|---:|---:|---|---|"]
+        lines += [
+            "",
+            f"#### {c.name} (gate decision {decision}: {'PASS' if outcome.verdict(c.version_id) else 'REJECT'})",
+            "",
+            "| check | threshold | measured | result | detail |",
+            "|---|---:|---:|---|---|",
+        ]
         for ch in outcome.checks.get(c.version_id, []):
-            lines.append(f"| {ch.name} | {_num(ch.threshold)} | {_num(ch.measured)} | "
-                         f"{'pass' if ch.passed else '**FAIL**'} | {ch.detail.replace('|', '/')} |")
+            lines.append(
+                f"| {ch.name} | {_num(ch.threshold)} | {_num(ch.measured)} | "
+                f"{'pass' if ch.passed else '**FAIL**'} | {ch.detail.replace('|', '/')} |"
+            )
     return lines
 
 
 def flip_table(candidates: list[CandidateMetrics]) -> list[str]:
     """F/G/W of each candidate per answered domain, vs the champion and the base, beside the
     champion's own noise floor (flows/noise_floor.py)."""
-    fgw = lambda f: "-" if f is None else f"{f.F}/{f.G}/{f.W} of {f.n}"  # noqa: E731
-    lines = ["| candidate | domain | F/G/W vs champion | F/G/W vs base | champion's noise floor |", "|---|---|---|---|---|"]
+    fgw = lambda f: "-" if f is None else f"{f.F}/{f.G}/{f.W} of {f.n}"
+    lines = [
+        "| candidate | domain | F/G/W vs champion | F/G/W vs base | champion's noise floor |",
+        "|---|---|---|---|---|",
+    ]
     for c in candidates:
         for d in sorted(c.flips_vs_champion):
-            lines.append(f"| {c.name} | {d} | {fgw(c.flips_vs_champion.get(d))} | {fgw(c.flips_vs_base.get(d))} | "
-                         f"{fgw(c.flips_floor.get(d))} |")
+            lines.append(
+                f"| {c.name} | {d} | {fgw(c.flips_vs_champion.get(d))} | {fgw(c.flips_vs_base.get(d))} | "
+                f"{fgw(c.flips_floor.get(d))} |"
+            )
     return lines
 
 
@@ -71,11 +86,17 @@ def kl_context_tables(candidates: list[CandidateMetrics]) -> list[str]:
             lines.append("Not measured: evaluated by a version that stored only the mean KL.")
             continue
         lines += ["| against | member | contexts | p95 | p99 | max |", "|---|---|---:|---:|---:|---:|"]
-        lines += [f"| {against} | {member} | {t.contexts} | {_num(t.p95)} | {_num(t.p99)} | {_num(t.max)} |"
-                  for against in kl_tail.AGAINST for member, t in sorted(c.kl_tail.get(against, {}).items())]
+        lines += [
+            f"| {against} | {member} | {t.contexts} | {_num(t.p95)} | {_num(t.p99)} | {_num(t.max)} |"
+            for against in kl_tail.AGAINST
+            for member, t in sorted(c.kl_tail.get(against, {}).items())
+        ]
         lines += ["", "| against | member | rank | context | KL | text |", "|---|---|---:|---:|---:|---|"]
-        lines += [f"| {r['against']} | {r['member']} | {r['rank']} | {r['context']} | {_num(r['kl'])} | "
-                  f"{r['text'].replace('|', '/')} |" for r in kl_tail.rows(c.kl_top_contexts)]
+        lines += [
+            f"| {r['against']} | {r['member']} | {r['rank']} | {r['context']} | {_num(r['kl'])} | "
+            f"{r['text'].replace('|', '/')} |"
+            for r in kl_tail.rows(c.kl_top_contexts)
+        ]
     return lines
 
 
@@ -85,18 +106,29 @@ def plots(folder: Path, candidates: list[CandidateMetrics]) -> list[str]:
     from evaluation.plots import churn_bars, tradeoff_plot
 
     made = []
-    points = [Checkpoint(c.method, c.seed, float(c.target_solved), c.mean_kl("kl_vs_base"), c.name)
-              for c in candidates if c.target_solved is not None and 0 < c.mean_kl("kl_vs_base") < math.inf]
+    points = [
+        Checkpoint(c.method, c.seed, float(c.target_solved), c.mean_kl("kl_vs_base"), c.name)
+        for c in candidates
+        if c.target_solved is not None and 0 < c.mean_kl("kl_vs_base") < math.inf
+    ]
     if points:
-        tradeoff_plot(points, folder / "tradeoff.png", kl_label="mean retained KL vs base (nats/token)",
-                      level_label="target problems solved")
+        tradeoff_plot(
+            points,
+            folder / "tradeoff.png",
+            kl_label="mean retained KL vs base (nats/token)",
+            level_label="target problems solved",
+        )
         made.append("tradeoff.png")
     churn = {}
     for c in candidates:
         if c.flips_vs_champion:
             fl = c.flips_vs_champion.values()
-            churn[c.name] = {"n": sum(f.n for f in fl), "F": sum(f.F for f in fl), "G": sum(f.G for f in fl),
-                             "W": sum(f.W for f in fl)}
+            churn[c.name] = {
+                "n": sum(f.n for f in fl),
+                "F": sum(f.F for f in fl),
+                "G": sum(f.G for f in fl),
+                "W": sum(f.W for f in fl),
+            }
     if churn:
         churn_bars(churn, folder / "churn.png", title="Answer churn vs the champion (all watched domains)")
         made.append("churn.png")
@@ -115,9 +147,18 @@ def step_table(steps: dict[str, float]) -> list[str]:
     return ["| step | wall s |", "|---|---|", *(f"| {name} | {sec:.1f} |" for name, sec in steps.items())]
 
 
-def write_report(folder: Path, header: dict, outcome_text: str, candidates: list[CandidateMetrics], outcome,
-                 comparison_md: str | None, where: list[str], history=None, phases: dict[str, float] | None = None,
-                 steps: dict[str, float] | None = None) -> Path:
+def write_report(
+    folder: Path,
+    header: dict,
+    outcome_text: str,
+    candidates: list[CandidateMetrics],
+    outcome,
+    comparison_md: str | None,
+    where: list[str],
+    history=None,
+    phases: dict[str, float] | None = None,
+    steps: dict[str, float] | None = None,
+) -> Path:
     """`history`: the line's flows.history.LineHistory after the cycle (None: no release yet);
     `phases`: wall seconds per stage until the report (flows.update.run_cycle); `steps`: the steps
     inside them (evaluation.timing)."""
@@ -137,26 +178,47 @@ def write_report(folder: Path, header: dict, outcome_text: str, candidates: list
     lines += summary_table(candidates, outcome, selected_id) if candidates else ["No new candidates this cycle."]
     lines += check_tables(candidates, outcome)
     if any(c.flips_vs_champion for c in candidates):
-        lines += ["", "## Answer flips and the noise floor", "", "F = correct -> wrong, G = wrong -> correct, "
-                  "W = wrong -> another wrong. The floor is the champion against its own answers decoded again in "
-                  "another batching (half the batch size): flips no update caused.", ""] + flip_table(candidates)
+        lines += [
+            "",
+            "## Answer flips and the noise floor",
+            "",
+            "F = correct -> wrong, G = wrong -> correct, "
+            "W = wrong -> another wrong. The floor is the champion against its own answers decoded again in "
+            "another batching (half the batch size): flips no update caused.",
+            "",
+        ] + flip_table(candidates)
     if candidates:
-        lines += ["", "## Retained KL per context", "", "Beyond each member's mean: the p95, p99 and max of its "
-                  "per-context KL (nats/token; quantiles by linear interpolation) and the contexts that moved most "
-                  "(index into the member's gate contexts, with the text's beginning)."]
+        lines += [
+            "",
+            "## Retained KL per context",
+            "",
+            "Beyond each member's mean: the p95, p99 and max of its "
+            "per-context KL (nats/token; quantiles by linear interpolation) and the contexts that moved most "
+            "(index into the member's gate contexts, with the text's beginning).",
+        ]
         lines += kl_context_tables(candidates)
     if history is not None:
-        lines += ["", "## The line", "", "Score matrix R[t][i] of release t on the skill release i taught, with "
-                  "TRACE's overall performance OP_t and backward transfer BWT_t over the skills' scores on one "
-                  "scale (higher is better, 0 to 1), and retained KL vs the base and vs each skill's teacher:",
-                  "", history.to_markdown()]
+        lines += [
+            "",
+            "## The line",
+            "",
+            "Score matrix R[t][i] of release t on the skill release i taught, with "
+            "TRACE's overall performance OP_t and backward transfer BWT_t over the skills' scores on one "
+            "scale (higher is better, 0 to 1), and retained KL vs the base and vs each skill's teacher:",
+            "",
+            history.to_markdown(),
+        ]
     if comparison_md:
         lines += ["", "## Comparison with the champion", "", comparison_md]
     if phases:
         lines += ["", "## Where the time went", ""] + timing_table(phases)
     if steps:
-        lines += ["", "Inside the stages, summed over the cycle (the champion's and the base's answers are "
-                  "generated once, with the first candidate; answers of a set include its scoring):", ""]
+        lines += [
+            "",
+            "Inside the stages, summed over the cycle (the champion's and the base's answers are "
+            "generated once, with the first candidate; answers of a set include its scoring):",
+            "",
+        ]
         lines += step_table(steps)
     if images:
         lines += ["", "## Plots", ""] + [f"![{name[:-4]}]({name})" for name in images]
@@ -171,4 +233,3 @@ def write_report(folder: Path, header: dict, outcome_text: str, candidates: list
 def report_folder(state: Path, model_name: str, flow_run_id: str | None) -> Path:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     return state / "reports" / model_name / f"{stamp}-{(flow_run_id or 'local')[:8]}"
-

@@ -6,6 +6,7 @@ Gating rows (retained KL, answers) and calibration rows (the atlas) never overla
 built-in domain gates on its evaluation split and calibrates on its training split; a
 released skill gates on its held-out pairs and calibrates on its training pairs.
 """
+
 from __future__ import annotations
 
 from atlas_core.errors import InputError
@@ -73,8 +74,10 @@ def share_examples(needed: int, available: dict[str, int]) -> dict[str, int]:
         out[m] = min(available[m], fair)
         left -= out[m]
     if left > 0:
-        raise InputError(f"atlas.num_vectors: needs {needed} calibration examples, the retained set has only "
-                         f"{needed - left} ({available}); lower atlas.num_vectors or raise atlas.per_example")
+        raise InputError(
+            f"atlas.num_vectors: needs {needed} calibration examples, the retained set has only "
+            f"{needed - left} ({available}); lower atlas.num_vectors or raise atlas.per_example"
+        )
     return out
 
 

@@ -5,12 +5,14 @@ briefly unavailable is retried; a diverged run, a shape error, a refused promoti
 config fails at once, because running the same deterministic code again gives the same error
 and only delays it. Every task with `retries=` passes `retry_condition_fn=transient_only`.
 """
+
 from __future__ import annotations
 
 
 def is_transient(error: BaseException) -> bool:
     """A network, timeout or database-connection error (requests' and SQLAlchemy's included)."""
-    from requests.exceptions import ConnectionError as RequestsConnectionError, Timeout
+    from requests.exceptions import ConnectionError as RequestsConnectionError
+    from requests.exceptions import Timeout
     from sqlalchemy.exc import DisconnectionError, OperationalError
 
     transient = (ConnectionError, TimeoutError, DisconnectionError, OperationalError, RequestsConnectionError, Timeout)

@@ -7,6 +7,7 @@ prefix states. Each is built on first use and kept, keyed by content, until the 
 `session()` ends, so the stages of one cycle share one backbone and one prefix cache per
 member without passing any mutable object between them.
 """
+
 from __future__ import annotations
 
 import os
@@ -126,8 +127,10 @@ def delta(version):
     def build():
         recorded = {cid: m for cid, _, _, m in run_checkpoints(ledger(), version.training_run_id)}
         if version.checkpoint_id not in recorded or "manifest_sha256" not in recorded[version.checkpoint_id]:
-            raise LedgerError(f"version {version.name} (id {version.id}): checkpoint {version.checkpoint_id} and its "
-                              f"manifest are not recorded in training run {version.training_run_id}")
+            raise LedgerError(
+                f"version {version.name} (id {version.id}): checkpoint {version.checkpoint_id} and its "
+                f"manifest are not recorded in training run {version.training_run_id}"
+            )
         path = fetch_verified(version.adapter_sha256, recorded[version.checkpoint_id]["manifest_sha256"], "adapter")
         return load_delta(path, lambda sha: stored_atlas(version.atlas_id, sha) if version.atlas_id else None)
 
@@ -155,7 +158,11 @@ def gate_texts(ctx, member: str) -> list[str]:
     from . import retained
     from .components import json_dumps
 
-    key = ("gate_texts", ctx.backbone.name, json_dumps([retained.member_spec(ctx, member), ctx.config.retained.kl_contexts]))
+    key = (
+        "gate_texts",
+        ctx.backbone.name,
+        json_dumps([retained.member_spec(ctx, member), ctx.config.retained.kl_contexts]),
+    )
     return _cached(key, lambda: retained.gate_texts(ctx, member))
 
 
@@ -191,7 +198,9 @@ def _stored_states(key: tuple, build: Callable[[], list]) -> list:
         except IntegrityError:
             pass  # damaged: computed again below and replaced
     states = build()
-    save_verified(path, {f"batch.{i}": h for i, h in enumerate(states)}, {"kind": "kl-states", "key": [str(k) for k in key]})
+    save_verified(
+        path, {f"batch.{i}": h for i, h in enumerate(states)}, {"kind": "kl-states", "key": [str(k) for k in key]}
+    )
     for old in sorted(folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime, reverse=True)[_KEEP_STATES:]:
         old.unlink(missing_ok=True)
         old.with_suffix(".json").unlink(missing_ok=True)
@@ -205,8 +214,14 @@ def kl_set(ctx, member: str):
 
     def build():
         bb = backbone(ctx.backbone)
-        kl = RetainedKL(bb.model, bb.tokenizer, gate_texts(ctx, member), ctx.kl_layer,
-                        max_length=ctx.config.retained.kl_max_tokens, progress=False)
+        kl = RetainedKL(
+            bb.model,
+            bb.tokenizer,
+            gate_texts(ctx, member),
+            ctx.kl_layer,
+            max_length=ctx.config.retained.kl_max_tokens,
+            progress=False,
+        )
         if ctx.kl_layer >= 0:  # -1: a delta changes layer 0, whole forwards (evaluation.kl)
             with phase(f"KL {member} (prefix states)"):
                 kl.use_prefix(_stored_states(("prefix", *_kl_key(ctx, member), _layout(kl)), kl.prefix))
@@ -278,8 +293,11 @@ def csqa_answers(ctx, applied, batch_size: int | None = None) -> list:
 
     bb, r = backbone(ctx.backbone), ctx.config.retained
     rows, prompts = csqa_choice_prompts(bb.tokenizer, limit=r.csqa_questions)
-    choices = (choice_set(ctx, prompts) if batch_size is None and prefix_serves(ctx, applied)
-               else ChoiceSet(bb.model, bb.tokenizer, prompts, batch_size=batch_size or r.batch_size))
+    choices = (
+        choice_set(ctx, prompts)
+        if batch_size is None and prefix_serves(ctx, applied)
+        else ChoiceSet(bb.model, bb.tokenizer, prompts, batch_size=batch_size or r.batch_size)
+    )
     with applied_on(ctx, applied), phase("answers csqa (choice)"):
         return choices.choose().answers(rows["id"], rows["answer"])
 
@@ -293,4 +311,3 @@ def resolve_applied(version):
     deltas = () if version.is_base else tuple(chain_of(ledger(), version.id))
     loaded = chain(Applied(version, deltas))
     return Applied(version, deltas, loaded.lowest_layer)
-

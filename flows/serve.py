@@ -6,6 +6,7 @@ process with `prefect.serve`: it registers the deployments and runs each schedul
 manually triggered) cycle itself; no work pool or worker is needed. Without
 PREFECT_API_URL, Prefect runs in local mode with its database under the state folder.
 """
+
 from __future__ import annotations
 
 from datetime import datetime, timezone
@@ -34,8 +35,9 @@ def deployment_spec(name: str = DEPLOYMENT, path: Path = PREFECT_FILE, specs: li
     raise InputError(f"{path}: no deployment named {name!r}")
 
 
-def serving_plan(names: list[str] | None = None, cron: str | None = None, path: Path = PREFECT_FILE,
-                 **overrides) -> list[dict]:
+def serving_plan(
+    names: list[str] | None = None, cron: str | None = None, path: Path = PREFECT_FILE, **overrides
+) -> list[dict]:
     """What `atlas serve` serves: the named deployments of deploy/prefect.yaml (default: every one
     with a schedule, e.g. one per line or skill), each with its schedule and parameters.
 
@@ -46,17 +48,26 @@ def serving_plan(names: list[str] | None = None, cron: str | None = None, path: 
     if names is None:
         names = [d["name"] for d in specs if d.get("schedules")]
     if (given or cron) and len(names) != 1:
-        raise InputError(f"serve: --cron and parameter overrides apply to one deployment; pick it with --deployment "
-                         f"(serving {names})")
+        raise InputError(
+            f"serve: --cron and parameter overrides apply to one deployment; pick it with --deployment "
+            f"(serving {names})"
+        )
     plan = []
     for name in names:
         spec = deployment_spec(name, path, specs)
         schedules = spec.get("schedules") or [{}]
         if not (cron or schedules[0].get("cron")):
             raise InputError(f"{path}: deployment {name!r} has no cron schedule; give one with --cron")
-        plan.append({"name": name, "cron": cron or schedules[0]["cron"], "timezone": schedules[0].get("timezone", "UTC"),
-                     "parameters": {**spec.get("parameters", {}), **given}, "description": spec.get("description"),
-                     "tags": spec.get("tags")})
+        plan.append(
+            {
+                "name": name,
+                "cron": cron or schedules[0]["cron"],
+                "timezone": schedules[0].get("timezone", "UTC"),
+                "parameters": {**spec.get("parameters", {}), **given},
+                "description": spec.get("description"),
+                "tags": spec.get("tags"),
+            }
+        )
     return plan
 
 
@@ -66,9 +77,16 @@ def runner_deployments(plan: list[dict]) -> list:
 
     from .update import update
 
-    return [update.to_deployment(name=d["name"], schedule=Cron(d["cron"], timezone=d["timezone"]),
-                                 parameters=d["parameters"], description=d["description"], tags=d["tags"])
-            for d in plan]
+    return [
+        update.to_deployment(
+            name=d["name"],
+            schedule=Cron(d["cron"], timezone=d["timezone"]),
+            parameters=d["parameters"],
+            description=d["description"],
+            tags=d["tags"],
+        )
+        for d in plan
+    ]
 
 
 def serve_update(plan: list[dict]) -> None:
@@ -77,7 +95,9 @@ def serve_update(plan: list[dict]) -> None:
 
     deployments = runner_deployments(plan)
     for d in plan:
-        print(f"serving deployment update/{d['name']}: cron '{d['cron']}' ({d['timezone']}), parameters {d['parameters']}")
+        print(
+            f"serving deployment update/{d['name']}: cron '{d['cron']}' ({d['timezone']}), parameters {d['parameters']}"
+        )
     serve(*deployments)
 
 
@@ -109,10 +129,12 @@ def _update_runs_from_server(limit: int) -> tuple[list, list]:
 
     flows, states = _update_filters(filters, StateType)
     with get_client(sync_client=True) as client:
-        scheduled = client.read_flow_runs(flow_filter=flows, flow_run_filter=states[0],
-                                          sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=1)
-        recent = client.read_flow_runs(flow_filter=flows, flow_run_filter=states[1],
-                                       sort=FlowRunSort.START_TIME_DESC, limit=limit)
+        scheduled = client.read_flow_runs(
+            flow_filter=flows, flow_run_filter=states[0], sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=1
+        )
+        recent = client.read_flow_runs(
+            flow_filter=flows, flow_run_filter=states[1], sort=FlowRunSort.START_TIME_DESC, limit=limit
+        )
     return scheduled, recent
 
 
@@ -136,10 +158,12 @@ def _update_runs_local(limit: int) -> tuple[list, list]:
     async def read() -> tuple[list, list]:
         await db.create_db()  # brings an older local database to this Prefect's schema (no-op when current)
         async with db.session_context() as session:
-            scheduled = await read_flow_runs(session, flow_filter=flows, flow_run_filter=states[0],
-                                             sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=1)
-            recent = await read_flow_runs(session, flow_filter=flows, flow_run_filter=states[1],
-                                          sort=FlowRunSort.START_TIME_DESC, limit=limit)
+            scheduled = await read_flow_runs(
+                session, flow_filter=flows, flow_run_filter=states[0], sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=1
+            )
+            recent = await read_flow_runs(
+                session, flow_filter=flows, flow_run_filter=states[1], sort=FlowRunSort.START_TIME_DESC, limit=limit
+            )
         await (await db.engine()).dispose()
         return list(scheduled), list(recent)
 
@@ -148,11 +172,14 @@ def _update_runs_local(limit: int) -> tuple[list, list]:
 
 def _update_filters(filters, state_type) -> tuple:
     """Flow 'update'; (scheduled runs, every other run), for the client's or the server's schemas."""
+
     def by_state(**which):
         return filters.FlowRunFilter(state=filters.FlowRunFilterState(type=filters.FlowRunFilterStateType(**which)))
 
-    return (filters.FlowFilter(name=filters.FlowFilterName(any_=[FLOW])),
-            (by_state(any_=[state_type.SCHEDULED]), by_state(not_any_=[state_type.SCHEDULED])))
+    return (
+        filters.FlowFilter(name=filters.FlowFilterName(any_=[FLOW])),
+        (by_state(any_=[state_type.SCHEDULED]), by_state(not_any_=[state_type.SCHEDULED])),
+    )
 
 
 def _sqlite_file(db) -> Path:

@@ -15,6 +15,7 @@ a cached ledger folder's manifest.json against the sha256 the ledger recorded an
 against the ledger's (an edited cache is refused, never silently rewritten), a `models:/`
 download's against the model version's `manifest_sha256` tag.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -23,13 +24,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-
 _URI_SCHEMES = ("models:/", "runs:/", "mlflow-artifacts:/", "file:/")
 
 
-def load_release(line_or_model: str, version: str = "champion", *, dtype="auto", device=None,
-                 backbone: str | None = None,
-                 verify_backbone: bool = True, require_sidecar: bool = True):
+def load_release(
+    line_or_model: str,
+    version: str = "champion",
+    *,
+    dtype="auto",
+    device=None,
+    backbone: str | None = None,
+    verify_backbone: bool = True,
+    require_sidecar: bool = True,
+):
     """A version as an atlas_core.release.LoadedRelease (`.model`, `.tokenizer`, `.manifest`).
 
     `line_or_model`: a registered model ("smollm2-135m.code"), a line of `backbone` (default: the
@@ -43,8 +50,14 @@ def load_release(line_or_model: str, version: str = "champion", *, dtype="auto",
     from evaluation.tiny import load_model
 
     with release_folder(line_or_model, version, backbone) as folder:
-        return load_folder(folder, dtype=dtype, device=device, backbone_loader=load_model,
-                           verify_backbone=verify_backbone, require_sidecar=require_sidecar)
+        return load_folder(
+            folder,
+            dtype=dtype,
+            device=device,
+            backbone_loader=load_model,
+            verify_backbone=verify_backbone,
+            require_sidecar=require_sidecar,
+        )
 
 
 @contextmanager
@@ -97,8 +110,10 @@ def _from_ledger(p, line_or_model: str, version: str, backbone: str | None) -> P
         try:
             model = get_model(p.ledger, model_name_for(backbone or DEFAULT_BACKBONE, line_or_model))
         except LedgerError:
-            raise LedgerError(f"{line_or_model!r}: no registered model or line of that name "
-                              "(`atlas status` lists them; or pass an MLflow URI or a release folder)") from None
+            raise LedgerError(
+                f"{line_or_model!r}: no registered model or line of that name "
+                "(`atlas status` lists them; or pass an MLflow URI or a release folder)"
+            ) from None
     v = resolve_version(p.ledger, model.id, version)
     folder = p.state / "cache" / "releases" / model.name / f"{v.name}-{v.id}"
     if not (folder / "manifest.json").is_file():  # manifest.json is written last: its presence means complete
@@ -126,9 +141,11 @@ def _check_against_ledger(ledger, version_id: int, folder: Path) -> None:
     except (IntegrityError, TypeError, AttributeError):
         have = None
     if have != want:
-        raise IntegrityError(f"{path}: its chain is not the ledger's {len(want)} delta(s) in order (adapter "
-                             f"sha256 {', '.join(w[:12] for w in want) or 'none'}); the ledger expects manifest "
-                             f"sha256 {expected}; {remedy}")
+        raise IntegrityError(
+            f"{path}: its chain is not the ledger's {len(want)} delta(s) in order (adapter "
+            f"sha256 {', '.join(w[:12] for w in want) or 'none'}); the ledger expects manifest "
+            f"sha256 {expected}; {remedy}"
+        )
     check_manifest(folder, expected, "the ledger", remedy)
     if not (folder / SIDECAR).exists():  # cached before sidecars; its manifest is the ledger's, checked above
         write_sidecar(folder, expected)
@@ -152,8 +169,11 @@ def _download(p, uri: str, dest: Path) -> Path:
         folder = p.bridge.download_version(name, number, dest)
         _check_against_tag(p.bridge, name, number, folder)
         return folder
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dest),
-                                                    tracking_uri=p.bridge.config.tracking_uri))
+    return Path(
+        mlflow.artifacts.download_artifacts(
+            artifact_uri=uri, dst_path=str(dest), tracking_uri=p.bridge.config.tracking_uri
+        )
+    )
 
 
 def _check_against_tag(bridge, name: str, number: str, folder: Path) -> None:
@@ -166,7 +186,11 @@ def _check_against_tag(bridge, name: str, number: str, folder: Path) -> None:
     if expected is None:
         return
     release = _unwrapped(folder)
-    check_manifest(release, expected, f"MLflow model version {name}/{number} (tag {MANIFEST_TAG})",
-                   "the version's files were changed after it was published")
+    check_manifest(
+        release,
+        expected,
+        f"MLflow model version {name}/{number} (tag {MANIFEST_TAG})",
+        "the version's files were changed after it was published",
+    )
     if not (release / SIDECAR).exists():  # published before sidecars; the tag vouches for this copy
         write_sidecar(release, expected)

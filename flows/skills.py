@@ -10,6 +10,7 @@ released skill other than S. Each member gives two disjoint sets of texts: gatin
 (retained KL) and calibration rows (the atlas); a released skill gates on its held-out
 (validation) pairs and calibrates on its training pairs.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -88,8 +89,10 @@ def _check_sidecar(snapshot: Path, where: str) -> None:
         return
     expected = (sidecar.read_text().split() or [""])[0].lower()
     if sha256_file(snapshot) != expected:
-        raise InputError(f"{where}: {snapshot} does not match its sidecar {sidecar.name} (sha256 {expected[:16]}...): "
-                         "still being written, or changed after it was taken")
+        raise InputError(
+            f"{where}: {snapshot} does not match its sidecar {sidecar.name} (sha256 {expected[:16]}...): "
+            "still being written, or changed after it was taken"
+        )
 
 
 # ------------------------------------------------------------------------------ pairs
@@ -122,8 +125,11 @@ def skill_set(spec: SkillSpec) -> SkillSet:
 
         pairs = builtin.mbpp_pairs if data.source == "mbpp" else builtin.gsm8k_pairs
         train, val = pairs("train"), pairs("validation" if data.source == "mbpp" else "test")
-        name, sha = (("mbpp-sanitized", known("mbpp/sanitized-mbpp.json").sha256) if data.source == "mbpp"
-                     else ("gsm8k-train", known("gsm8k/train.jsonl").sha256))
+        name, sha = (
+            ("mbpp-sanitized", known("mbpp/sanitized-mbpp.json").sha256)
+            if data.source == "mbpp"
+            else ("gsm8k-train", known("gsm8k/train.jsonl").sha256)
+        )
     else:
         from atlas_core.io import sha256_file
 
@@ -168,10 +174,15 @@ def require_evaluable(spec: SkillSpec, role: str) -> None:
     if not s.train:
         raise InputError(f"skill {spec.name!r} ({what}): no training pairs in {spec.data['source']}")
     if not s.val:
-        fix = ("give data.val_source (a JSONL file of held-out pairs) or data.holdout > 0"
-               if spec.data["source"] not in BUILTIN_SOURCES else "its built-in split is empty")
-        raise InputError(f"skill {spec.name!r} ({what}): no held-out pairs in {spec.data['source']} for its evaluation "
-                         f"and retained contexts; {fix}")
+        fix = (
+            "give data.val_source (a JSONL file of held-out pairs) or data.holdout > 0"
+            if spec.data["source"] not in BUILTIN_SOURCES
+            else "its built-in split is empty"
+        )
+        raise InputError(
+            f"skill {spec.name!r} ({what}): no held-out pairs in {spec.data['source']} for its evaluation "
+            f"and retained contexts; {fix}"
+        )
 
 
 def skill_texts(tokenizer, spec: SkillSpec, role: str, limit: int) -> list[str]:
@@ -182,15 +193,20 @@ def skill_texts(tokenizer, spec: SkillSpec, role: str, limit: int) -> list[str]:
     s = skill_set(SkillSpec(spec.name, spec.data | {"train_limit": None, "val_limit": None}, spec.target))
     rows = s.val if role == "gate" else s.train
     if not rows:
-        raise InputError(f"released skill {spec.name!r}: no {'held-out' if role == 'gate' else 'training'} pairs "
-                         "for its retained contexts (a JSONL skill needs data.val_source)")
+        raise InputError(
+            f"released skill {spec.name!r}: no {'held-out' if role == 'gate' else 'training'} pairs "
+            "for its retained contexts (a JSONL skill needs data.val_source)"
+        )
     return ["".join(render_chat(tokenizer, p["prompt"], p["response"])) for p in rows[:limit]]
 
 
 def skill_files(spec: SkillSpec) -> dict[str, Path]:
     """The user files a skill reads, by data field: its JSONL snapshot and held-out file."""
-    return {k: resolve(spec.data[k]) for k in ("source", "val_source")
-            if spec.data.get(k) and spec.data[k] not in BUILTIN_SOURCES}
+    return {
+        k: resolve(spec.data[k])
+        for k in ("source", "val_source")
+        if spec.data.get(k) and spec.data[k] not in BUILTIN_SOURCES
+    }
 
 
 def pinned_spec(spec: dict, kept: dict[str, str] | None, fetch: Callable[[str, Path], Path], cache: Path) -> dict:

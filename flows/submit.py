@@ -27,6 +27,7 @@ whose config says where it came from (`submitted`: source, sha256), and register
 whose parent is `parent`. Submitting the same delta onto the same parent again (in any of the
 forms above) returns the version recorded the first time.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -65,8 +66,14 @@ class _Parent:
     chain: object  # atlas_core.chain.Chain, every delta verified
 
 
-def submit_candidate(source: str, line: str, parent: str = "champion", skill: Optional[str] = None,
-                     name: Optional[str] = None, backbone: Optional[str] = None) -> Submitted:
+def submit_candidate(
+    source: str,
+    line: str,
+    parent: str = "champion",
+    skill: Optional[str] = None,
+    name: Optional[str] = None,
+    backbone: Optional[str] = None,
+) -> Submitted:
     """Check `source` against the line's backbone and record it as a candidate version on top of
     `parent`. A line that does not exist yet is started on `backbone` (its first adapter sits on the base)."""
     from atlas_core.backbone import DEFAULT_BACKBONE
@@ -81,8 +88,18 @@ def submit_candidate(source: str, line: str, parent: str = "champion", skill: Op
         found = _delta_file(source, bb, Path(tmp), base, runtime.platform())
         atlas = _atlas_of(runtime, found)
         delta = _verified_on_chain(found.path, base, bb.model, atlas)
-        return _record(runtime.platform(), model or line, bb, weights, base, found, atlas, delta,
-                       skill or (model.line if model else line), name)
+        return _record(
+            runtime.platform(),
+            model or line,
+            bb,
+            weights,
+            base,
+            found,
+            atlas,
+            delta,
+            skill or (model.line if model else line),
+            name,
+        )
 
 
 def _line(ledger, line: str, backbone: Optional[str]):
@@ -105,8 +122,10 @@ def _check_backbone(model, bb) -> str:
     from atlas_core.backbone import weights_sha256
 
     if model is not None and bb.revision != model.revision:
-        raise InputError(f"backbone {model.backbone!r} loads at revision {bb.revision}, the line {model.name} "
-                         f"was recorded at {model.revision}")
+        raise InputError(
+            f"backbone {model.backbone!r} loads at revision {bb.revision}, the line {model.name} "
+            f"was recorded at {model.revision}"
+        )
     return weights_sha256(bb.model)
 
 
@@ -155,19 +174,27 @@ def _delta_file(source: str, bb, tmp: Path, parent: _Parent, platform) -> _Found
         lora_set = from_peft_folder(path, bb.model)
         out = tmp / "delta.safetensors"
         lora_set.save(out)
-        return _Found(out, lora_set.kind, {"source": str(path.resolve()), "sha256": lora_set.source["weights_sha256"],
-                                           "format": "peft"})
+        return _Found(
+            out,
+            lora_set.kind,
+            {"source": str(path.resolve()), "sha256": lora_set.source["weights_sha256"], "format": "peft"},
+        )
     if path.is_dir() and (path / "manifest.json").is_file():
         return _from_release_folder(path, parent)
     if path.is_file() and path.with_suffix(".json").is_file():
         _, manifest = load_verified(path)  # sha256 checked against its manifest
-        return _Found(path, str(manifest.get("kind")), {"source": str(path.resolve()), "sha256": manifest["sha256"],
-                                                        "format": "delta"}, manifest.get("atlas_sha256"))
+        return _Found(
+            path,
+            str(manifest.get("kind")),
+            {"source": str(path.resolve()), "sha256": manifest["sha256"], "format": "delta"},
+            manifest.get("atlas_sha256"),
+        )
     if path.is_dir():
-        raise InputError(f"{path}: no {CONFIG_FILE} (a PEFT adapter folder) and no manifest.json "
-                         "(a release folder)")
-    raise InputError(f"{source}: expected a PEFT adapter folder, a delta file (.safetensors with its .json "
-                     "manifest), a release folder or an MLflow model URI (models:/..., runs:/...)")
+        raise InputError(f"{path}: no {CONFIG_FILE} (a PEFT adapter folder) and no manifest.json (a release folder)")
+    raise InputError(
+        f"{source}: expected a PEFT adapter folder, a delta file (.safetensors with its .json "
+        "manifest), a release folder or an MLflow model URI (models:/..., runs:/...)"
+    )
 
 
 def _check_base_name(folder: Path, bb) -> None:
@@ -177,12 +204,15 @@ def _check_base_name(folder: Path, bb) -> None:
     config = read_peft_config(folder)
     name, known = config.get("base_model_name_or_path"), {bb.name, str(getattr(bb.model, "name_or_path", "") or "")}
     if name and name not in known:
-        raise InputError(f"{folder / 'adapter_config.json'}: base_model_name_or_path {name!r} is not the line's "
-                         f"backbone {bb.name!r}; train on load_release(LINE, PARENT).model")
+        raise InputError(
+            f"{folder / 'adapter_config.json'}: base_model_name_or_path {name!r} is not the line's "
+            f"backbone {bb.name!r}; train on load_release(LINE, PARENT).model"
+        )
     revision = config.get("revision")
     if revision and revision != bb.revision:
-        raise InputError(f"{folder / 'adapter_config.json'}: revision {revision!r} is not the line's backbone "
-                         f"revision {bb.revision}")
+        raise InputError(
+            f"{folder / 'adapter_config.json'}: revision {revision!r} is not the line's backbone revision {bb.revision}"
+        )
 
 
 def _from_release_folder(folder: Path, parent: _Parent) -> _Found:
@@ -192,14 +222,21 @@ def _from_release_folder(folder: Path, parent: _Parent) -> _Found:
     manifest, _ = load_chain(folder)  # every delta and atlas verified against both manifests
     have = [d["adapter_sha256"] for d in manifest["chain"]]
     if len(have) != len(parent.adapter_sha256s) + 1 or tuple(have[:-1]) != parent.adapter_sha256s:
-        raise InputError(f"{folder / MANIFEST}: its chain ({len(have)} deltas) is not the parent "
-                         f"{parent.name}'s ({len(parent.adapter_sha256s)} deltas) plus one; submit onto its own "
-                         "parent with --parent")
+        raise InputError(
+            f"{folder / MANIFEST}: its chain ({len(have)} deltas) is not the parent "
+            f"{parent.name}'s ({len(parent.adapter_sha256s)} deltas) plus one; submit onto its own "
+            "parent with --parent"
+        )
     entry = manifest["chain"][-1]
     path = folder / entry["adapter"]
     atlas = folder / entry["atlas"] if entry.get("atlas") else None
-    return _Found(path, str(_manifest(path).get("kind")), {"source": str(folder.resolve()),
-                  "sha256": entry["adapter_sha256"], "format": "release"}, entry.get("atlas_sha256"), atlas)
+    return _Found(
+        path,
+        str(_manifest(path).get("kind")),
+        {"source": str(folder.resolve()), "sha256": entry["adapter_sha256"], "format": "release"},
+        entry.get("atlas_sha256"),
+        atlas,
+    )
 
 
 def _atlas_of(runtime, found: _Found):
@@ -215,8 +252,10 @@ def _atlas_of(runtime, found: _Found):
     else:
         info = find_atlas_file(runtime.ledger(), found.atlas_sha256)
         if info is None:
-            raise InputError(f"{found.path}: it routes with atlas sha256 {found.atlas_sha256[:16]}..., which the "
-                             "ledger does not hold; submit a release folder, which carries its atlas")
+            raise InputError(
+                f"{found.path}: it routes with atlas sha256 {found.atlas_sha256[:16]}..., which the "
+                "ledger does not hold; submit a release folder, which carries its atlas"
+            )
         atlas = runtime.stored_atlas(info.id, found.atlas_sha256)
     if atlas.sha256 != found.atlas_sha256:
         raise InputError(f"{found.path}: expects atlas sha256 {found.atlas_sha256}, the atlas found is {atlas.sha256}")
@@ -238,8 +277,9 @@ def _downloaded(uri: str, dest: Path, platform) -> Path:
     root = _unwrapped(_download(platform, uri, dest / "download"))
     found = [c.parent for c in root.rglob(CONFIG_FILE)] or [c.parent for c in root.rglob("manifest.json")]
     if len(found) != 1:
-        raise InputError(f"{uri}: expected one PEFT adapter folder ({CONFIG_FILE}) or release folder inside, "
-                         f"found {len(found)}")
+        raise InputError(
+            f"{uri}: expected one PEFT adapter folder ({CONFIG_FILE}) or release folder inside, found {len(found)}"
+        )
     return found[0]
 
 
@@ -262,14 +302,25 @@ def _verified_on_chain(path: Path, parent: _Parent, model, atlas):
     return delta
 
 
-def _record(p, model, bb, weights: str, parent: _Parent, found: _Found, atlas, delta, skill: str,
-            name: Optional[str]) -> Submitted:
+def _record(
+    p, model, bb, weights: str, parent: _Parent, found: _Found, atlas, delta, skill: str, name: Optional[str]
+) -> Submitted:
     """Store the delta (and an atlas the ledger does not hold yet), record it as a finished run with
     one checkpoint, register the version (`model`: the line, or the name of a line to start on `bb`)."""
     from atlas_core.io import sha256_file
-    from registry import (base_version, end_mlflow_run, ensure_backbone, ensure_model, find_training_run,
-                          log_checkpoint, record_checkpoint, register_version, run_checkpoints, run_versions,
-                          start_training_run)
+    from registry import (
+        base_version,
+        end_mlflow_run,
+        ensure_backbone,
+        ensure_model,
+        find_training_run,
+        log_checkpoint,
+        record_checkpoint,
+        register_version,
+        run_checkpoints,
+        run_versions,
+        start_training_run,
+    )
 
     ledger, path, kind, origin = p.ledger, found.path, found.kind, found.origin
     if isinstance(model, str):  # a new line: the backbone, the line and its base version, get-or-create
@@ -284,8 +335,21 @@ def _record(p, model, bb, weights: str, parent: _Parent, found: _Found, atlas, d
     adapter, manifest = p.store.put_file(path), p.store.put_file(path.with_suffix(".json"))
     config = {"run_key": key, "submitted": origin | {"kind": kind, "layer": getattr(delta, "layer", None)}}
     atlas_id = _recorded_atlas(p, backbone_id, found, atlas, delta) if atlas is not None else None
-    run_id = run[0] if run else start_training_run(ledger, backbone_id, skill, kind, 0, config, atlas_id=atlas_id,
-                                                   model_id=model.id, parent_version_id=parent_v.id)
+    run_id = (
+        run[0]
+        if run
+        else start_training_run(
+            ledger,
+            backbone_id,
+            skill,
+            kind,
+            0,
+            config,
+            atlas_id=atlas_id,
+            model_id=model.id,
+            parent_version_id=parent_v.id,
+        )
+    )
     ckpt = record_checkpoint(ledger, run_id, 0, 0, adapter, {"manifest_sha256": manifest.sha256})
     if len(run_checkpoints(ledger, run_id)) == 1:
         log_checkpoint(ledger, p.bridge, ckpt.id)

@@ -11,6 +11,7 @@ trained again, an interrupted one resumes from its newest complete checkpoint
 (atlas_core.train), and recording a checkpoint twice is a no-op, so a crash anywhere
 leaves neither gaps nor duplicates.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -38,20 +39,35 @@ def run_config_for(ctx: CycleContext, method: str, seed: int):
     if not path.is_file():
         raise InputError(f"candidates.methods: no run config {path} for method {method!r}")
     rc = load_run_config(path)
-    changes = {k: getattr(over, k) for k in ("epochs", "lr", "batch_size", "max_length", "on_bad_example",
-                                             "checkpoint_every_steps") if getattr(over, k) is not None}
+    changes = {
+        k: getattr(over, k)
+        for k in ("epochs", "lr", "batch_size", "max_length", "on_bad_example", "checkpoint_every_steps")
+        if getattr(over, k) is not None
+    }
     train = replace(rc.train, seed=seed, **changes)
     variant = RESIDUAL_VARIANTS.get(rc.adapter) if rc.adapter != "weight-lora" else None
     atlas = ctx.atlas(variant)
-    return replace(rc, backbone=ctx.backbone.name, layer=ctx.layer, atlas=atlas.path if atlas else None,
-                   train=train), variant
+    return replace(
+        rc, backbone=ctx.backbone.name, layer=ctx.layer, atlas=atlas.path if atlas else None, train=train
+    ), variant
 
 
 def run_key(ctx: CycleContext, method: str, run_config, variant, skill: SkillSet) -> str:
     atlas, bb, data = ctx.atlas(variant), ctx.backbone, ctx.config.data
-    key = {"backbone": bb.name, "revision": bb.revision, "dtype": bb.dtype, "method": method,
-           "config": run_config.to_dict() | {"atlas": atlas.sha256 if atlas else None},
-           "data": [skill.dataset_name, skill.sha256, data.train_limit, data.val_limit, ctx.config.retained.replay_examples]}
+    key = {
+        "backbone": bb.name,
+        "revision": bb.revision,
+        "dtype": bb.dtype,
+        "method": method,
+        "config": run_config.to_dict() | {"atlas": atlas.sha256 if atlas else None},
+        "data": [
+            skill.dataset_name,
+            skill.sha256,
+            data.train_limit,
+            data.val_limit,
+            ctx.config.retained.replay_examples,
+        ],
+    }
     if skill.split.startswith("train[holdout"):  # keys of runs with a val_source stay as they were before holdouts
         key["split"] = skill.split
     if ctx.champion_id is not None:  # keys of runs on the bare backbone stay as they were before chains
@@ -60,25 +76,45 @@ def run_key(ctx: CycleContext, method: str, run_config, variant, skill: SkillSet
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
-def open_training_run(ctx: CycleContext, method: str, seed: int, run_config, variant, key: str, dataset_id: int,
-                      skill_sha256: str) -> tuple[int, str]:
+def open_training_run(
+    ctx: CycleContext, method: str, seed: int, run_config, variant, key: str, dataset_id: int, skill_sha256: str
+) -> tuple[int, str]:
     """(training run id, status): the run with this key, or a new one."""
     from registry import end_mlflow_run, find_training_run, start_training_run
 
     from .runtime import ledger, platform
 
-    found = find_training_run(ledger(), ctx.backbone.ledger_id, ctx.skill.name, method, seed, key, model_id=ctx.model.id)
+    found = find_training_run(
+        ledger(), ctx.backbone.ledger_id, ctx.skill.name, method, seed, key, model_id=ctx.model.id
+    )
     if found is None:
         # The skill's files are kept by content: later cycles read a released skill from them even
         # after its snapshot was pruned or overwritten (flows.skills.pinned_spec).
         kept = {k: platform().store.put_file(path).sha256 for k, path in skill_files(ctx.skill).items()}
-        config = {"run_key": key, "run_config": run_config.to_dict() | {"atlas": None}, "skill": ctx.skill.to_dict(),
-                  "skill_sha256": skill_sha256, "skill_files": kept}
+        config = {
+            "run_key": key,
+            "run_config": run_config.to_dict() | {"atlas": None},
+            "skill": ctx.skill.to_dict(),
+            "skill_sha256": skill_sha256,
+            "skill_files": kept,
+        }
         atlas = ctx.atlas(variant)
-        found = (start_training_run(ledger(), ctx.backbone.ledger_id, ctx.skill.name, method, seed, config,
-                                    atlas_id=atlas.atlas_id if atlas else None, dataset_id=dataset_id,
-                                    flow_run_id=ctx.flow_run_id, model_id=ctx.model.id,
-                                    parent_version_id=ctx.champion.version.id), "running")
+        found = (
+            start_training_run(
+                ledger(),
+                ctx.backbone.ledger_id,
+                ctx.skill.name,
+                method,
+                seed,
+                config,
+                atlas_id=atlas.atlas_id if atlas else None,
+                dataset_id=dataset_id,
+                flow_run_id=ctx.flow_run_id,
+                model_id=ctx.model.id,
+                parent_version_id=ctx.champion.version.id,
+            ),
+            "running",
+        )
     if found[1] != "finished":  # new, interrupted or failed before: it runs (again) now
         end_mlflow_run(ledger(), platform().bridge, found[0], "running")
     return found
@@ -95,9 +131,12 @@ def record_checkpoint_files(evaluate: str, training_run_id: int, path: Path) -> 
     state, store = read_state(path), platform().store
     adapter, manifest = store.put_file(path / "adapter.safetensors"), store.put_file(path / "adapter.json")
     known = {step for _, _, step, _ in run_checkpoints(ledger(), training_run_id)}
-    metrics = {"train_loss": state["train_losses"][-1] if state["train_losses"] else None,
-               "val_loss": state["val_losses"].get(str(state["step"])), "epoch_end": bool(state.get("epoch_end")),
-               "manifest_sha256": manifest.sha256}
+    metrics = {
+        "train_loss": state["train_losses"][-1] if state["train_losses"] else None,
+        "val_loss": state["val_losses"].get(str(state["step"])),
+        "epoch_end": bool(state.get("epoch_end")),
+        "manifest_sha256": manifest.sha256,
+    }
     ckpt = record_checkpoint(ledger(), training_run_id, state["epoch"], state["step"], adapter, metrics)
     if state["step"] not in known:
         log_checkpoint(ledger(), platform().bridge, ckpt.id)
@@ -107,7 +146,9 @@ def record_checkpoint_files(evaluate: str, training_run_id: int, path: Path) -> 
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
-def train_run(ctx: CycleContext, training_run_id: int, run_config, variant, skill: SkillSet, run_dir: Path) -> list[str]:
+def train_run(
+    ctx: CycleContext, training_run_id: int, run_config, variant, skill: SkillSet, run_dir: Path
+) -> list[str]:
     """Train (resuming if the folder has checkpoints); each new checkpoint is recorded at once."""
     from atlas_core.train import build_adapter, prepare_data, train
     from evaluation.contexts import retained_contexts
@@ -115,11 +156,14 @@ def train_run(ctx: CycleContext, training_run_id: int, run_config, variant, skil
     from .runtime import applied_on, atlas_file, backbone
 
     tokenizer, tc = backbone(ctx.backbone).tokenizer, run_config.train
-    retained = (retained_contexts(tokenizer, "gsm8k", split="train", limit=ctx.config.retained.replay_examples)[1]
-                if tc.objective.uses_retained else None)
+    retained = (
+        retained_contexts(tokenizer, "gsm8k", split="train", limit=ctx.config.retained.replay_examples)[1]
+        if tc.objective.uses_retained
+        else None
+    )
     data = prepare_data(tokenizer, skill.train, tc, val=skill.val or None, retained=retained)
     atlas = atlas_file(ctx.atlas(variant).path) if variant else None
-    record = lambda path, _: record_checkpoint_files(ctx.config.evaluate, training_run_id, path)  # noqa: E731
+    record = lambda path, _: record_checkpoint_files(ctx.config.evaluate, training_run_id, path)
     with applied_on(ctx, ctx.champion) as model:  # the parent's chain, frozen: the new delta learns on top of it
         adapter = build_adapter(run_config, model, atlas, retained_stats_for(ctx, run_config, model, tokenizer))
         try:
@@ -134,6 +178,7 @@ def retained_stats_for(ctx: CycleContext, run_config, model, tokenizer):
     """The retained o_proj statistics a baseline needs (LoRA-Null, O-LoRA, CorDA-KPM), on the
     champion over the atlas's calibration contexts; None for methods that need none."""
     import torch
+
     from atlas_core.train.retained_stats import retained_stats
 
     from .refresh import atlas_plan
@@ -145,10 +190,13 @@ def retained_stats_for(ctx: CycleContext, run_config, model, tokenizer):
         return None
     plan = atlas_plan(ctx, "local")  # the same contexts, per member, as the atlas's calibration
     texts = [t for m, info in plan["data"].items() for t in calibration_texts(ctx, m, info["examples"])]
-    seqs = [torch.tensor(tokenizer(t, truncation=True, max_length=ctx.config.retained.kl_max_tokens)["input_ids"])
-            for t in texts]
-    return retained_stats(model, ctx.layer, seqs, backbone=ctx.backbone.name,
-                          cache_dir=platform().state / "retained-stats")
+    seqs = [
+        torch.tensor(tokenizer(t, truncation=True, max_length=ctx.config.retained.kl_max_tokens)["input_ids"])
+        for t in texts
+    ]
+    return retained_stats(
+        model, ctx.layer, seqs, backbone=ctx.backbone.name, cache_dir=platform().state / "retained-stats"
+    )
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
@@ -163,7 +211,9 @@ def reconcile_checkpoints(evaluate: str, training_run_id: int, checkpoints: list
             record_checkpoint_files(evaluate, training_run_id, Path(path))
     end_mlflow_run(ledger(), platform().bridge, training_run_id, "finished")
     recorded = run_checkpoints(ledger(), training_run_id)
-    eligible = [cid for cid, _, _, m in recorded if evaluate == "all" or (evaluate == "epoch-ends" and m.get("epoch_end"))]
+    eligible = [
+        cid for cid, _, _, m in recorded if evaluate == "all" or (evaluate == "epoch-ends" and m.get("epoch_end"))
+    ]
     if evaluate == "final" and recorded:
         eligible = [recorded[-1][0]]
     return [register_version(ledger(), cid).id for cid in eligible]

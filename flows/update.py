@@ -19,6 +19,7 @@ Run it with `atlas update`, from a deployment (deploy/prefect.yaml), or from Pyt
 Every stage is safe to rerun: a crashed cycle started again reuses the atlas, resumes
 training, reuses stored answers and evaluations, and records nothing twice.
 """
+
 from __future__ import annotations
 
 import time
@@ -58,7 +59,9 @@ def load_backbone_task(name: str, dtype: str) -> tuple[str, str, int, str]:
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
-def record_lineage(name: str, revision: str, weights: str, line: str) -> tuple[int, ModelInfo, VersionInfo, VersionInfo]:
+def record_lineage(
+    name: str, revision: str, weights: str, line: str
+) -> tuple[int, ModelInfo, VersionInfo, VersionInfo]:
     """Backbone, line and its base version in the ledger (get-or-create), and the champion's holder
     (the base while nobody holds it): (backbone id, line, base, champion)."""
     from registry import alias_holder, base_version, ensure_backbone, ensure_model
@@ -101,10 +104,20 @@ def resolve_lineage(config: UpdateConfig, policy: ReleasePolicy, flow_run_id: Op
     # Thresholds no outcome could meet at these problem counts are refused now, not after training.
     target = scorer(skill)
     policy.require_feasible_target(len(target.problem_ids()), regression_kind(target) == PASS_FAIL)
-    policy.require_feasible_released({s.name: (regression_kind(scorer(s)), len(scorer(s).problem_ids()))
-                                      for s in released})
-    return CycleContext(config, policy, BackboneRef(config.backbone, revision, dtype, backbone_id, layer), model,
-                        Applied(base), champion, skill, tuple(released), flow_run_id=flow_run_id)
+    policy.require_feasible_released(
+        {s.name: (regression_kind(scorer(s)), len(scorer(s).problem_ids())) for s in released}
+    )
+    return CycleContext(
+        config,
+        policy,
+        BackboneRef(config.backbone, revision, dtype, backbone_id, layer),
+        model,
+        Applied(base),
+        champion,
+        skill,
+        tuple(released),
+        flow_run_id=flow_run_id,
+    )
 
 
 def needed_atlas_variants(ctx: CycleContext) -> list[str]:
@@ -131,16 +144,24 @@ def outcome_text(ctx: CycleContext, outcome: GateOutcome, release, candidates: l
         return f"No candidates to gate (every one is retired); the champion stays **{champion.name}**."
     if release is not None:
         s = outcome.selected
-        return (f"**PROMOTED {s.name}** (was {champion.name}): passed every check of policy `{ctx.policy.label}`; "
-                f"target {s.target_score:g} (champion {s.champion_score:g}); lowest retained KL among "
-                f"{sum(outcome.verdict(c.version_id) for c in candidates)} passing candidate(s).")
+        return (
+            f"**PROMOTED {s.name}** (was {champion.name}): passed every check of policy `{ctx.policy.label}`; "
+            f"target {s.target_score:g} (champion {s.champion_score:g}); lowest retained KL among "
+            f"{sum(outcome.verdict(c.version_id) for c in candidates)} passing candidate(s)."
+        )
     if outcome.selected is not None:
-        return (f"**NOT PROMOTED**: {outcome.selected.name} passed, but another cycle moved `champion` since it was "
-                f"measured; the champion stays as recorded in the ledger.")
-    reasons = [f"- {c.name}: failed " + ", ".join(ch.name for ch in outcome.checks[c.version_id] if not ch.passed)
-               for c in candidates]
-    return f"**REJECTED**: no candidate passed policy `{ctx.policy.label}`; the champion stays **{champion.name}**.\n\n" \
+        return (
+            f"**NOT PROMOTED**: {outcome.selected.name} passed, but another cycle moved `champion` since it was "
+            f"measured; the champion stays as recorded in the ledger."
+        )
+    reasons = [
+        f"- {c.name}: failed " + ", ".join(ch.name for ch in outcome.checks[c.version_id] if not ch.passed)
+        for c in candidates
+    ]
+    return (
+        f"**REJECTED**: no candidate passed policy `{ctx.policy.label}`; the champion stays **{champion.name}**.\n\n"
         + "\n".join(reasons)
+    )
 
 
 def line_after(model_id: int, promoted: bool):
@@ -163,8 +184,14 @@ def line_after(model_id: int, promoted: bool):
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3, retry_condition_fn=transient_only)
-def publish_report(ctx: CycleContext, candidates: list[CandidateMetrics], outcome: GateOutcome,
-                   release: Optional[ReleaseInfo], phases: dict[str, float], steps: dict[str, float]) -> str:
+def publish_report(
+    ctx: CycleContext,
+    candidates: list[CandidateMetrics],
+    outcome: GateOutcome,
+    release: Optional[ReleaseInfo],
+    phases: dict[str, float],
+    steps: dict[str, float],
+) -> str:
     """Write the report, then publish it as a Prefect artifact and as an MLflow run's artifacts."""
     from registry import compare_versions
 
@@ -173,26 +200,43 @@ def publish_report(ctx: CycleContext, candidates: list[CandidateMetrics], outcom
 
     p, model, champion = platform(), ctx.model, ctx.champion.version
     folder = report_folder(p.state, model.name, ctx.flow_run_id)
-    best = outcome.selected or (max(candidates, key=lambda c: (c.target_solved or 0, -c.mean_kl("kl_vs_champion")))
-                                if candidates else None)
+    best = outcome.selected or (
+        max(candidates, key=lambda c: (c.target_solved or 0, -c.mean_kl("kl_vs_champion"))) if candidates else None
+    )
     comparison = compare_versions(p.ledger, champion.id, best.version_id).to_markdown() if best else None
-    header = {"model": model.name, "flow run": ctx.flow_run_id or "-", "config": ctx.config.name,
-              "policy": ctx.policy.label, "backbone": f"{ctx.backbone.name} @ {ctx.backbone.revision[:16]}",
-              "layer": ctx.layer, "champion before": champion.name}
-    where = [f"MLflow UI: `.venv/bin/mlflow ui --backend-store-uri {p.bridge.config.tracking_uri}` "
-             f"(experiment '{model.backbone} / {model.line}', registered model '{model.name}')",
-             f"History: `atlas history --model {model.name}`",
-             f"Explain a verdict: `atlas gate --explain VERSION --model {model.name}`"]
+    header = {
+        "model": model.name,
+        "flow run": ctx.flow_run_id or "-",
+        "config": ctx.config.name,
+        "policy": ctx.policy.label,
+        "backbone": f"{ctx.backbone.name} @ {ctx.backbone.revision[:16]}",
+        "layer": ctx.layer,
+        "champion before": champion.name,
+    }
+    where = [
+        f"MLflow UI: `.venv/bin/mlflow ui --backend-store-uri {p.bridge.config.tracking_uri}` "
+        f"(experiment '{model.backbone} / {model.line}', registered model '{model.name}')",
+        f"History: `atlas history --model {model.name}`",
+        f"Explain a verdict: `atlas gate --explain VERSION --model {model.name}`",
+    ]
     text = outcome_text(ctx, outcome, release, candidates)
     history = line_after(model.id, release is not None)
     path = write_report(folder, header, text, candidates, outcome, comparison, where, history, phases, steps)
     create_markdown_artifact(key="update-report", markdown=path.read_text(), description=f"{model.name}: {text[:200]}")
-    run_id = p.bridge.start_run(model.backbone, model.line, f"update-cycle-{folder.name}",
-                                {"policy": ctx.policy.label, "config": ctx.config.name,
-                                 "flow_run_id": ctx.flow_run_id or "-"}, tags={"kind": "update-cycle"})
+    run_id = p.bridge.start_run(
+        model.backbone,
+        model.line,
+        f"update-cycle-{folder.name}",
+        {"policy": ctx.policy.label, "config": ctx.config.name, "flow_run_id": ctx.flow_run_id or "-"},
+        tags={"kind": "update-cycle"},
+    )
     p.bridge.log_folder(run_id, folder, "report")
-    p.bridge.log_metrics(run_id, {f"seconds/{phase_key(k)}": v for k, v in phases.items()}
-                         | {f"seconds/step/{phase_key(k)}": v for k, v in steps.items()}, 0)
+    p.bridge.log_metrics(
+        run_id,
+        {f"seconds/{phase_key(k)}": v for k, v in phases.items()}
+        | {f"seconds/step/{phase_key(k)}": v for k, v in steps.items()},
+        0,
+    )
     p.bridge.end_run(run_id)
     return str(path)
 
@@ -202,14 +246,29 @@ def idle_result(ctx: CycleContext, reason: str) -> dict:
 
     champion = ctx.champion.version
     get_run_logger().info(f"idle: {reason}")
-    return {"model": ctx.model.name, "outcome": "idle", "promoted": False, "champion": champion.name,
-            "previous_champion": champion.name, "selected": None, "candidates": {}, "report": None,
-            "reason": reason, "state": str(platform().state)}
+    return {
+        "model": ctx.model.name,
+        "outcome": "idle",
+        "promoted": False,
+        "champion": champion.name,
+        "previous_champion": champion.name,
+        "selected": None,
+        "candidates": {},
+        "report": None,
+        "reason": reason,
+        "state": str(platform().state),
+    }
 
 
 @flow(name="update", validate_parameters=True)
-def update(config: str = DEFAULT_CONFIG, policy: str = DEFAULT_POLICY, backbone: Optional[str] = None,
-           skill: Optional[str] = None, snapshot: Optional[str] = None, line: Optional[str] = None) -> dict:
+def update(
+    config: str = DEFAULT_CONFIG,
+    policy: str = DEFAULT_POLICY,
+    backbone: Optional[str] = None,
+    skill: Optional[str] = None,
+    snapshot: Optional[str] = None,
+    line: Optional[str] = None,
+) -> dict:
     """One update cycle on a line: refresh the atlas on the champion, train the policy's candidates
     on top of it, evaluate them on everything the line keeps, gate, promote, report.
 
@@ -266,6 +325,7 @@ class _Clock:
 def run_cycle(ctx: CycleContext, clock: Optional[_Clock] = None) -> dict:
     """The stages after resolve_lineage, each taking and returning plain values; `clock` has
     already timed resolve_lineage (backbone load, ledger, champion chain)."""
+    from evaluation.timing import take as take_steps
     from registry import alias_holder
 
     from .evaluate import eval_key, evaluate_candidate, record_base
@@ -273,16 +333,17 @@ def run_cycle(ctx: CycleContext, clock: Optional[_Clock] = None) -> dict:
     from .refresh import refresh_atlas
     from .release import gate, promote
     from .runtime import ledger, platform
-    from evaluation.timing import take as take_steps
-
     from .skills import skill_set
     from .training import planned_runs, train_skill
 
     data = skill_set(ctx.skill)
     taught = taught_by_chain(ctx, data.sha256)
     if taught is not None:
-        return idle_result(ctx, f"skill {ctx.skill.name!r} snapshot {data.sha256[:12]} is already released "
-                                f"in the champion's chain ({taught}); nothing new to train")
+        return idle_result(
+            ctx,
+            f"skill {ctx.skill.name!r} snapshot {data.sha256[:12]} is already released "
+            f"in the champion's chain ({taught}); nothing new to train",
+        )
     clock = clock or _Clock()
     atlases = []
     for variant in needed_atlas_variants(ctx):
@@ -290,8 +351,11 @@ def run_cycle(ctx: CycleContext, clock: Optional[_Clock] = None) -> dict:
         clock.lap(f"atlas {variant}")
     ctx = replace(ctx, atlases=tuple(atlases))
     if already_gated(ctx, [(m, s, k) for m, s, _, _, k in planned_runs(ctx, data)], eval_key(ctx)):
-        return idle_result(ctx, f"every candidate of this snapshot was already gated against "
-                                f"{ctx.champion.version.name} with policy {ctx.policy.label}")
+        return idle_result(
+            ctx,
+            f"every candidate of this snapshot was already gated against "
+            f"{ctx.champion.version.name} with policy {ctx.policy.label}",
+        )
     champion = ctx.champion.version
     versions = [v for v in train_skill(ctx) if v != champion.id]
     clock.lap("training")
@@ -306,17 +370,28 @@ def run_cycle(ctx: CycleContext, clock: Optional[_Clock] = None) -> dict:
     release = None
     if outcome.selected is not None:
         s = outcome.selected
-        release = promote(s.version_id, f"gate {ctx.policy.label} passed; {ctx.skill.name} {s.target_score:g} "
-                                         f"(champion {s.champion_score:g}) on top of {champion.name}; lowest retained KL",
-                          ctx.flow_run_id)
+        release = promote(
+            s.version_id,
+            f"gate {ctx.policy.label} passed; {ctx.skill.name} {s.target_score:g} "
+            f"(champion {s.champion_score:g}) on top of {champion.name}; lowest retained KL",
+            ctx.flow_run_id,
+        )
         clock.lap("promote")
     steps = take_steps()
     report = publish_report(ctx, candidates, outcome, release, clock.phases, steps)
     get_run_logger().info(f"report: {report}")
     new_champion = alias_holder(ledger(), ctx.model.id) or ctx.base.version
     result = "promoted" if release is not None else "not-promoted" if outcome.selected is not None else "rejected"
-    return {"model": ctx.model.name, "outcome": result, "promoted": release is not None,
-            "champion": new_champion.name, "previous_champion": champion.name,
-            "selected": outcome.selected.name if outcome.selected else None,
-            "candidates": {c.name: outcome.verdict(c.version_id) for c in candidates}, "report": report,
-            "seconds": dict(clock.phases), "steps": steps, "state": str(platform().state)}
+    return {
+        "model": ctx.model.name,
+        "outcome": result,
+        "promoted": release is not None,
+        "champion": new_champion.name,
+        "previous_champion": champion.name,
+        "selected": outcome.selected.name if outcome.selected else None,
+        "candidates": {c.name: outcome.verdict(c.version_id) for c in candidates},
+        "report": report,
+        "seconds": dict(clock.phases),
+        "steps": steps,
+        "state": str(platform().state),
+    }

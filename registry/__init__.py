@@ -19,7 +19,8 @@ Lineage         ensure_backbone(ledger, name, revision) -> id; ensure_dataset(le
 Lines           ensure_model(ledger, backbone_id, line) -> ModelInfo; get_model(ledger, id_or_name);
                 model_name_for(backbone, line); register_version(ledger, checkpoint_id) -> VersionInfo;
                 base_version(ledger, model_id) -> VersionInfo; get_version(ledger, id);
-                list_versions(ledger, model_id, include_retired=True); version_chain(ledger, version_id) -> [VersionInfo]
+                list_versions(ledger, model_id, include_retired=True);
+                version_chain(ledger, version_id) -> [VersionInfo]
                 (the deltas from the first after the base to this one); ModelInfo.line; VersionInfo.line,
                 .skill (what its delta taught; None for the base), .parent_id, .status ("active" | "retired")
 Queries         find_training_run(ledger, backbone_id, skill, method, seed, run_key, *, model_id=) -> (id, status);
@@ -47,6 +48,7 @@ Comparison      resolve_version(ledger, model_id_or_name, "base" | "champion" | 
                 .write(folder), .log_to_mlflow(bridge, run_id)); answer_churn(a, b);
                 release_history(ledger, model_id) -> [HistoryRow]; format_history(rows, markdown=False)
 """
+
 from types import ModuleType as _ModuleType
 
 from registry.compare import (
@@ -117,8 +119,8 @@ from registry.queries import (
     evaluation_extra,
     find_training_run,
     recent_decisions,
-    recorded_manifest_sha256,
     recent_training_runs,
+    recorded_manifest_sha256,
     run_checkpoints,
     run_versions,
     training_run_config,
@@ -137,7 +139,6 @@ from registry.records import (
     ReleaseInfo,
     VersionInfo,
 )
-from registry.rows import require_name
 from registry.results import (
     get_answers,
     latest_evaluation,
@@ -146,6 +147,7 @@ from registry.results import (
     record_evaluation,
     record_gate_decision,
 )
+from registry.rows import require_name
 from registry.store import (
     ArtifactCorruptedError,
     ArtifactError,
@@ -158,5 +160,6 @@ from registry.store import (
 )
 
 # Everything imported above except the submodules themselves.
-__all__ = sorted(name for name, value in dict(globals()).items()
-                 if not name.startswith("_") and not isinstance(value, _ModuleType))
+__all__ = sorted(
+    name for name, value in dict(globals()).items() if not name.startswith("_") and not isinstance(value, _ModuleType)
+)

@@ -5,6 +5,7 @@ from version A (the reference) to version B, for questions both answered:
 F = correct -> wrong, G = wrong -> correct, W = wrong -> a different wrong answer;
 churn = (F + G + W) / n and NFR = F / n.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,27 +65,43 @@ class Comparison:
     source_b: str = "-"
 
     def to_dict(self) -> dict:
-        return {"version_a": self.version_a, "version_b": self.version_b,
-                "source_a": self.source_a, "source_b": self.source_b,
-                "metrics": [{**asdict(m), "delta": m.delta} for m in self.metrics],
-                "churn": [{**asdict(c), "churn": c.churn, "nfr": c.nfr} for c in self.churn],
-                "flips": [asdict(f) for f in self.flips]}
+        return {
+            "version_a": self.version_a,
+            "version_b": self.version_b,
+            "source_a": self.source_a,
+            "source_b": self.source_b,
+            "metrics": [{**asdict(m), "delta": m.delta} for m in self.metrics],
+            "churn": [{**asdict(c), "churn": c.churn, "nfr": c.nfr} for c in self.churn],
+            "flips": [asdict(f) for f in self.flips],
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     def _tables(self) -> list[tuple[str, list[str], list[list[str]]]]:
         metric_rows = [[m.name, _fmt(m.a), _fmt(m.b), _fmt(m.delta, signed=True)] for m in self.metrics]
-        churn_rows = [[c.dataset, str(c.n), str(c.flips_f), str(c.flips_g), str(c.flips_w), f"{c.churn:.4f}",
-                       f"{c.nfr:.4f}", str(c.only_in_a + c.only_in_b)] for c in self.churn]
+        churn_rows = [
+            [
+                c.dataset,
+                str(c.n),
+                str(c.flips_f),
+                str(c.flips_g),
+                str(c.flips_w),
+                f"{c.churn:.4f}",
+                f"{c.nfr:.4f}",
+                str(c.only_in_a + c.only_in_b),
+            ]
+            for c in self.churn
+        ]
         flip_rows = [[f.dataset, f.question_id, f.kind, repr(f.answer_a), repr(f.answer_b)] for f in self.flips]
-        return [("Metrics", ["metric", "A", "B", "B - A"], metric_rows),
-                ("Churn A -> B", ["dataset", "n", "F", "G", "W", "churn", "NFR", "unpaired"], churn_rows),
-                ("Flipped questions", ["dataset", "question", "kind", "A answer", "B answer"], flip_rows)]
+        return [
+            ("Metrics", ["metric", "A", "B", "B - A"], metric_rows),
+            ("Churn A -> B", ["dataset", "n", "F", "G", "W", "churn", "NFR", "unpaired"], churn_rows),
+            ("Flipped questions", ["dataset", "question", "kind", "A answer", "B answer"], flip_rows),
+        ]
 
     def to_markdown(self) -> str:
-        out = [f"# {self.version_b} vs {self.version_a}", "",
-               f"A: {self.source_a}; B: {self.source_b}", ""]
+        out = [f"# {self.version_b} vs {self.version_a}", "", f"A: {self.source_a}; B: {self.source_b}", ""]
         for title, header, rows in self._tables():
             out += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
             out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
@@ -103,8 +120,10 @@ class Comparison:
     def write(self, folder: str | Path, stem: str = "comparison") -> tuple[Path, Path]:
         """Write `<stem>.md` and `<stem>.json` atomically; returns both paths."""
         folder = Path(folder)
-        return (atomic_write_text(folder / f"{stem}.md", self.to_markdown()),
-                atomic_write_text(folder / f"{stem}.json", self.to_json()))
+        return (
+            atomic_write_text(folder / f"{stem}.md", self.to_markdown()),
+            atomic_write_text(folder / f"{stem}.json", self.to_json()),
+        )
 
     def log_to_mlflow(self, bridge: MlflowBridge, run_id: str, artifact_dir: str = "comparisons") -> None:
         stem = f"{self.version_b}_vs_{self.version_a}"
@@ -123,12 +142,13 @@ def _fmt(value: Optional[float], signed: bool = False) -> str:
 
 def _text_table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda cells: "  " + "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    line = lambda cells: "  " + "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))
     return [line(header), "  " + "  ".join("-" * w for w in widths), *map(line, rows)]
 
 
-def answer_churn(a: dict[tuple[str, str], AnswerRecord],
-                 b: dict[tuple[str, str], AnswerRecord]) -> tuple[list[ChurnRow], list[Flip]]:
+def answer_churn(
+    a: dict[tuple[str, str], AnswerRecord], b: dict[tuple[str, str], AnswerRecord]
+) -> tuple[list[ChurnRow], list[Flip]]:
     """Per-dataset F/G/W (plus an 'all' row) and the flipped questions, going from a to b."""
     from evaluation.churn import flip_kind  # the one F/G/W classifier (evaluation, gates, registry)
 
@@ -146,16 +166,23 @@ def answer_churn(a: dict[tuple[str, str], AnswerRecord],
                 continue
             counts[kind] += 1
             flips.append(Flip(dataset, q, kind, old.answer, new.answer))
-        rows.append(ChurnRow(dataset, counts["F"], counts["G"], counts["W"], len(qa & qb),
-                             len(qa - qb), len(qb - qa)))
+        rows.append(ChurnRow(dataset, counts["F"], counts["G"], counts["W"], len(qa & qb), len(qa - qb), len(qb - qa)))
     if rows:
-        rows.append(ChurnRow("all", *(sum(getattr(r, k) for r in rows) for k in
-                                      ("flips_f", "flips_g", "flips_w", "n", "only_in_a", "only_in_b"))))
+        rows.append(
+            ChurnRow(
+                "all",
+                *(
+                    sum(getattr(r, k) for r in rows)
+                    for k in ("flips_f", "flips_g", "flips_w", "n", "only_in_a", "only_in_b")
+                ),
+            )
+        )
     return rows, flips
 
 
-def _evaluation_metrics(ev: Optional[EvaluationInfo], extra: dict, skill: Optional[str],
-                        version: VersionInfo) -> dict[str, Optional[float]]:
+def _evaluation_metrics(
+    ev: Optional[EvaluationInfo], extra: dict, skill: Optional[str], version: VersionInfo
+) -> dict[str, Optional[float]]:
     """A version's numbers from its latest evaluation. Target numbers are keyed by the skill the
     evaluation's target scorer measured (`target_solved[code]`), so two releases of different
     skills never share a target row; `score[s]` is the scorer's value of skill s (the target's
@@ -221,8 +248,9 @@ def resolve_version(ledger: Ledger, model: int | str, ref: str) -> VersionInfo:
         known = ", ".join(v.name for v in versions) or "none"
         raise LedgerError(f"{info.name}: version {ref!r} matches 0 versions (known: {known})")
     if len(matches) > 1:  # the unique (line, name) constraint makes this a corrupted ledger
-        raise LedgerError(f"{info.name}: version {ref!r} matches {len(matches)} versions: "
-                          f"{', '.join(f'#{v.id}' for v in matches)}")
+        raise LedgerError(
+            f"{info.name}: version {ref!r} matches {len(matches)} versions: {', '.join(f'#{v.id}' for v in matches)}"
+        )
     return matches[0]
 
 
@@ -241,8 +269,15 @@ def compare_versions(ledger: Ledger, version_a: int, version_b: int) -> Comparis
         ma.update({k: 0.0 for k in mb if k.startswith("kl_vs_base[")})
     names = list(dict.fromkeys([*ma, *mb]))
     churn, flips = answer_churn(get_answers(ledger, version_a), get_answers(ledger, version_b))
-    return Comparison(va.name, vb.name, [MetricRow(n, ma.get(n), mb.get(n)) for n in names], churn, flips,
-                      version_source(ledger, va), version_source(ledger, vb))
+    return Comparison(
+        va.name,
+        vb.name,
+        [MetricRow(n, ma.get(n), mb.get(n)) for n in names],
+        churn,
+        flips,
+        version_source(ledger, va),
+        version_source(ledger, vb),
+    )
 
 
 @dataclass(frozen=True)
@@ -269,18 +304,57 @@ def release_history(ledger: Ledger, model_id: int, alias: Optional[str] = "champ
         prev = get_version(ledger, r.previous_version_id).name if r.previous_version_id else "-"
         ev = latest_evaluation(ledger, r.version_id)
         churn = ev.churn_total("base") if ev else None
-        rows.append(HistoryRow(r.id, r.created_at.strftime("%Y-%m-%d %H:%M:%S"), r.action, r.alias, v.name, prev,
-                               f"{ev.target_solved}/{ev.target_total}" if ev else "-",
-                               ev.max_kl("kl_vs_base") if ev else None, churn.nfr if churn else None,
-                               r.flow_run_id, r.reason, version_source(ledger, v)))
+        rows.append(
+            HistoryRow(
+                r.id,
+                r.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+                r.action,
+                r.alias,
+                v.name,
+                prev,
+                f"{ev.target_solved}/{ev.target_total}" if ev else "-",
+                ev.max_kl("kl_vs_base") if ev else None,
+                churn.nfr if churn else None,
+                r.flow_run_id,
+                r.reason,
+                version_source(ledger, v),
+            )
+        )
     return rows
 
 
 def format_history(rows: list[HistoryRow], markdown: bool = False) -> str:
-    header = ["#", "when", "action", "alias", "version", "source", "previous", "target", "max KL", "NFR", "flow run",
-              "reason"]
-    cells = [[str(r.release_id), r.when, r.action, r.alias, r.version, r.source, r.previous, r.target,
-              _fmt(r.max_kl_vs_base), _fmt(r.nfr_vs_base), r.flow_run_id or "-", r.reason or "-"] for r in rows]
+    header = [
+        "#",
+        "when",
+        "action",
+        "alias",
+        "version",
+        "source",
+        "previous",
+        "target",
+        "max KL",
+        "NFR",
+        "flow run",
+        "reason",
+    ]
+    cells = [
+        [
+            str(r.release_id),
+            r.when,
+            r.action,
+            r.alias,
+            r.version,
+            r.source,
+            r.previous,
+            r.target,
+            _fmt(r.max_kl_vs_base),
+            _fmt(r.nfr_vs_base),
+            r.flow_run_id or "-",
+            r.reason or "-",
+        ]
+        for r in rows
+    ]
     if not markdown:
         return "\n".join(_text_table(header, cells))
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -5,6 +5,7 @@ starts with BEGIN IMMEDIATE, so two processes that both want to write are serial
 the start of the transaction instead of failing at commit; on PostgreSQL, writers that
 must not interleave lock a row with SELECT ... FOR UPDATE (see `promotion.py`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

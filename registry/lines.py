@@ -6,6 +6,7 @@ version stands for the bare backbone; every other version is a parent version pl
 delta (a checkpoint's adapter), so the model a version stands for is the backbone with the
 deltas of `version_chain` applied in order.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -40,20 +41,23 @@ def short_backbone(backbone: str) -> str:
 def _line_row(session: Session, backbone_id: int, line: str) -> RegisteredModel:
     """The line `line` of a backbone row, created on first use."""
     backbone = require_row(session, Backbone, backbone_id, "backbone")
-    row = session.scalar(select(RegisteredModel).where(RegisteredModel.backbone_id == backbone_id,
-                                                       RegisteredModel.line == line))
+    row = session.scalar(
+        select(RegisteredModel).where(RegisteredModel.backbone_id == backbone_id, RegisteredModel.line == line)
+    )
     if row is not None:
         return row
     plain = model_name_for(backbone.name, line)
     name = plain
-    taken = lambda n: session.scalar(select(RegisteredModel.id).where(RegisteredModel.name == n))  # noqa: E731
+    taken = lambda n: session.scalar(select(RegisteredModel.id).where(RegisteredModel.name == n))
     if taken(name) is not None:
         # A line of another revision of this backbone has the plain name: a changed
         # revision starts a new line beside it, it does not take over the old one.
         name = f"{plain}-rev{_mlflow_safe(backbone.revision[:8])}"
         if taken(name) is not None:
-            raise LedgerError(f"line {line!r} of {backbone.name} at revision {backbone.revision}: the names "
-                              f"{plain!r} and {name!r} are both taken by other lines; choose another line name")
+            raise LedgerError(
+                f"line {line!r} of {backbone.name} at revision {backbone.revision}: the names "
+                f"{plain!r} and {name!r} are both taken by other lines; choose another line name"
+            )
     row = RegisteredModel(name=name, backbone_id=backbone_id, line=line)
     session.add(row)
     session.flush()
@@ -107,12 +111,17 @@ def base_row(session: Session, model: RegisteredModel) -> ModelVersion:
     The lock matters: a NULL checkpoint_id escapes the unique constraint, so two concurrent
     callers must not both create one.
     """
-    row = session.scalar(select(ModelVersion).where(ModelVersion.registered_model_id == model.id,
-                                                    ModelVersion.checkpoint_id.is_(None)))
+    row = session.scalar(
+        select(ModelVersion).where(ModelVersion.registered_model_id == model.id, ModelVersion.checkpoint_id.is_(None))
+    )
     if row is None:
         backbone = session.get(Backbone, model.backbone_id)
-        row = ModelVersion(registered_model_id=model.id, checkpoint_id=None, parent_version_id=None,
-                           name=f"{short_backbone(backbone.name)}-base")
+        row = ModelVersion(
+            registered_model_id=model.id,
+            checkpoint_id=None,
+            parent_version_id=None,
+            name=f"{short_backbone(backbone.name)}-base",
+        )
         session.add(row)
         session.flush()
     return row
@@ -124,18 +133,36 @@ def base_row(session: Session, model: RegisteredModel) -> ModelVersion:
 def version_info(session: Session, version: ModelVersion) -> VersionInfo:
     model = session.get(RegisteredModel, version.registered_model_id)
     backbone = session.get(Backbone, model.backbone_id)
-    common = dict(id=version.id, model_id=model.id, model_name=model.name, name=version.name,
-                  backbone=backbone.name, line=model.line, mlflow_version=version.mlflow_version,
-                  parent_id=version.parent_version_id, status=version.status)
+    common = dict(
+        id=version.id,
+        model_id=model.id,
+        model_name=model.name,
+        name=version.name,
+        backbone=backbone.name,
+        line=model.line,
+        mlflow_version=version.mlflow_version,
+        parent_id=version.parent_version_id,
+        status=version.status,
+    )
     if version.checkpoint_id is None:
         return VersionInfo(**common, skill=None)
     ckpt = session.get(Checkpoint, version.checkpoint_id)
     run = session.get(TrainingRun, ckpt.training_run_id)
     atlas = session.get(Atlas, run.atlas_id) if run.atlas_id is not None else None
-    return VersionInfo(**common, skill=run.skill, checkpoint_id=ckpt.id, training_run_id=run.id,
-                       mlflow_run_id=run.mlflow_run_id, method=run.method, seed=run.seed,
-                       epoch=ckpt.epoch, step=ckpt.step, adapter_sha256=ckpt.adapter_sha256,
-                       atlas_id=run.atlas_id, atlas_sha256=atlas.artifact_sha256 if atlas else None)
+    return VersionInfo(
+        **common,
+        skill=run.skill,
+        checkpoint_id=ckpt.id,
+        training_run_id=run.id,
+        mlflow_run_id=run.mlflow_run_id,
+        method=run.method,
+        seed=run.seed,
+        epoch=ckpt.epoch,
+        step=ckpt.step,
+        adapter_sha256=ckpt.adapter_sha256,
+        atlas_id=run.atlas_id,
+        atlas_sha256=atlas.artifact_sha256 if atlas else None,
+    )
 
 
 def get_version(ledger: Ledger, version_id: int) -> VersionInfo:
@@ -170,16 +197,22 @@ def register_version(ledger: Ledger, checkpoint_id: int, name: Optional[str] = N
             run = s.get(TrainingRun, ckpt.training_run_id)
             model_id = run.registered_model_id or _line_row(s, run.backbone_id, run.skill).id
             model = lock_line(s, model_id)  # names are chosen under the lock: no two alike
-            row = s.scalar(select(ModelVersion).where(ModelVersion.registered_model_id == model.id,
-                                                      ModelVersion.checkpoint_id == checkpoint_id))
+            row = s.scalar(
+                select(ModelVersion).where(
+                    ModelVersion.registered_model_id == model.id, ModelVersion.checkpoint_id == checkpoint_id
+                )
+            )
             if row is None:
                 backbone = s.get(Backbone, run.backbone_id)
                 default = f"{short_backbone(backbone.name)}-{run.skill}-{run.method}-s{run.seed}-e{ckpt.epoch}"
                 if name is not None and _free_name(s, model.id, name) != name:
                     raise LedgerError(f"version name {name!r} is taken in line {model.name}; choose another")
-                row = ModelVersion(registered_model_id=model.id, checkpoint_id=checkpoint_id,
-                                   parent_version_id=run.parent_version_id or base_row(s, model).id,
-                                   name=name or _free_name(s, model.id, default))
+                row = ModelVersion(
+                    registered_model_id=model.id,
+                    checkpoint_id=checkpoint_id,
+                    parent_version_id=run.parent_version_id or base_row(s, model).id,
+                    name=name or _free_name(s, model.id, default),
+                )
                 s.add(row)
                 s.flush()
             return version_info(s, row)
@@ -201,13 +234,14 @@ def version_chain(ledger: Ledger, version_id: int) -> list[VersionInfo]:
         chain: list[ModelVersion] = []
         while row is not None and row.checkpoint_id is not None:
             if row in chain:
-                raise LedgerError(f"version id {version_id}: its chain of parents loops at "
-                                  f"{row.name} (id {row.id})")
+                raise LedgerError(f"version id {version_id}: its chain of parents loops at {row.name} (id {row.id})")
             chain.append(row)
             parent = s.get(ModelVersion, row.parent_version_id) if row.parent_version_id is not None else None
             if parent is not None and parent.registered_model_id != row.registered_model_id:
-                raise LedgerError(f"version {row.name} (id {row.id}): its parent {parent.name} (id {parent.id}) "
-                                  f"is in another line (registered model id {parent.registered_model_id})")
+                raise LedgerError(
+                    f"version {row.name} (id {row.id}): its parent {parent.name} (id {parent.id}) "
+                    f"is in another line (registered model id {parent.registered_model_id})"
+                )
             row = parent  # None: a version from before chains, on the bare backbone
         return [version_info(s, r) for r in reversed(chain)]
 
@@ -238,7 +272,10 @@ def record_manifest_sha256(ledger: Ledger, version_id: int, sha256: str, where: 
         if row.manifest_sha256 is None:
             row.manifest_sha256 = sha256
         elif row.manifest_sha256 != sha256:
-            raise ArtifactError(f"{where}: the ledger recorded release manifest sha256 {row.manifest_sha256} for "
-                                f"version {row.name} (id {row.id}), the ledger's rows now give {sha256}: a row the "
-                                "release was written from has changed since; the release is refused", where,
-                                row.manifest_sha256)
+            raise ArtifactError(
+                f"{where}: the ledger recorded release manifest sha256 {row.manifest_sha256} for "
+                f"version {row.name} (id {row.id}), the ledger's rows now give {sha256}: a row the "
+                "release was written from has changed since; the release is refused",
+                where,
+                row.manifest_sha256,
+            )

@@ -5,6 +5,7 @@ touches MLflow's process-global state, because its defaults depend on the workin
 directory. An experiment and a registered model are made per line (`<backbone>.<line>`);
 the ledger decides what MLflow shows (see `promotion.repair`).
 """
+
 from __future__ import annotations
 
 import os
@@ -87,8 +88,9 @@ class MlflowBridge:
         # Creating or migrating MLflow's own database logs at INFO on stderr; a command's output is ours.
         for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
             logging.getLogger(name).setLevel(logging.WARNING)
-        return MlflowClient(tracking_uri=self.config.tracking_uri,
-                            registry_uri=self.config.registry_uri or self.config.tracking_uri)
+        return MlflowClient(
+            tracking_uri=self.config.tracking_uri, registry_uri=self.config.registry_uri or self.config.tracking_uri
+        )
 
     # -- experiments and runs ---------------------------------------------------------
     def experiment_id(self, backbone: str, line: str) -> str:
@@ -108,10 +110,14 @@ class MlflowBridge:
                 raise
             return existing.experiment_id
 
-    def start_run(self, backbone: str, line: str, run_name: str, params: dict[str, Any],
-                  tags: Optional[dict[str, str]] = None) -> str:
-        run = self.client.create_run(self.experiment_id(backbone, line), run_name=run_name,
-                                     tags={"backbone": backbone, "line": line, **(tags or {})})
+    def start_run(
+        self, backbone: str, line: str, run_name: str, params: dict[str, Any], tags: Optional[dict[str, str]] = None
+    ) -> str:
+        run = self.client.create_run(
+            self.experiment_id(backbone, line),
+            run_name=run_name,
+            tags={"backbone": backbone, "line": line, **(tags or {})},
+        )
         self.log_params(run.info.run_id, params)
         return run.info.run_id
 
@@ -120,7 +126,7 @@ class MlflowBridge:
 
         items = [Param(str(k), str(v)[:_MAX_PARAM_LEN]) for k, v in sorted(params.items())]
         for i in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
-            self.client.log_batch(run_id, params=items[i:i + 100])
+            self.client.log_batch(run_id, params=items[i : i + 100])
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int) -> None:
         """Metrics of one checkpoint, indexed by training step."""
@@ -129,7 +135,7 @@ class MlflowBridge:
 
         items = [Metric(k, float(v), now, int(step)) for k, v in sorted(metrics.items())]
         for i in range(0, len(items), 1000):
-            self.client.log_batch(run_id, metrics=items[i:i + 1000])
+            self.client.log_batch(run_id, metrics=items[i : i + 1000])
 
     def log_dataset(self, run_id: str, name: str, sha256: str, source: str, context: str = "training") -> None:
         """A dataset input of a run (`mlflow.log_input`), identified by content: MLflow keeps at most
@@ -151,9 +157,14 @@ class MlflowBridge:
 
         with tempfile.TemporaryDirectory(prefix="registry-pyfunc-") as tmp:
             path = Path(tmp) / "model"
-            mlflow.pyfunc.save_model(str(path), python_model=model.python_model,
-                                     artifacts={"release": str(release_folder)}, signature=model.signature,
-                                     input_example=model.input_example, pip_requirements=model.pip_requirements)
+            mlflow.pyfunc.save_model(
+                str(path),
+                python_model=model.python_model,
+                artifacts={"release": str(release_folder)},
+                signature=model.signature,
+                input_example=model.input_example,
+                pip_requirements=model.pip_requirements,
+            )
             self.log_folder(run_id, path, artifact_path)
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
@@ -188,13 +199,14 @@ class MlflowBridge:
             except _mlflow_error():
                 self.client.get_registered_model(name)  # created concurrently: fine
 
-    def create_version(self, model_name: str, run_id: str, artifact_path: str,
-                       tags: dict[str, str], description: str) -> str:
+    def create_version(
+        self, model_name: str, run_id: str, artifact_path: str, tags: dict[str, str], description: str
+    ) -> str:
         """A model version whose files are the run's artifacts under `artifact_path`."""
         source = f"{self.run_artifact_uri(run_id)}/{artifact_path}"
-        version = self.client.create_model_version(model_name, source=source, run_id=run_id,
-                                                   tags={k: str(v) for k, v in tags.items()},
-                                                   description=description)
+        version = self.client.create_model_version(
+            model_name, source=source, run_id=run_id, tags={k: str(v) for k, v in tags.items()}, description=description
+        )
         return str(version.version)
 
     def find_version(self, model_name: str, tag: str, value: str) -> Optional[str]:
@@ -234,6 +246,7 @@ class MlflowBridge:
         else:
             version = self.client.get_model_version_by_alias(model_name, alias_or_version).version
         uri = self.client.get_model_version_download_uri(model_name, str(version))
-        path = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(destination),
-                                                   tracking_uri=self.config.tracking_uri)
+        path = mlflow.artifacts.download_artifacts(
+            artifact_uri=uri, dst_path=str(destination), tracking_uri=self.config.tracking_uri
+        )
         return Path(path)

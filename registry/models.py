@@ -8,6 +8,7 @@ and `model_versions` tables.
 Schema changes go through an Alembic migration in `registry/migrations/versions/`;
 `tests/test_registry_ledger.py` checks that the migrations produce exactly these models.
 """
+
 from __future__ import annotations
 
 from datetime import datetime, timezone
@@ -126,8 +127,7 @@ class TrainingRun(Base):
     # version when trained on the bare backbone). NULL: a run recorded before lines existed.
     registered_model_id: Mapped[Optional[int]] = mapped_column(ForeignKey("ledger_registered_models.id"))
     # use_alter: versions -> checkpoints -> runs -> versions is a cycle of foreign keys.
-    parent_version_id: Mapped[Optional[int]] = mapped_column(
-        ForeignKey("ledger_model_versions.id", use_alter=True))
+    parent_version_id: Mapped[Optional[int]] = mapped_column(ForeignKey("ledger_model_versions.id", use_alter=True))
     atlas_id: Mapped[Optional[int]] = mapped_column(ForeignKey("ledger_atlases.id"))
     dataset_id: Mapped[Optional[int]] = mapped_column(ForeignKey("ledger_datasets.id"))
     skill: Mapped[str] = mapped_column(String(128))
@@ -304,9 +304,7 @@ class AliasHolder(Base):
     """The current holder of each alias: the primary key makes a second holder impossible."""
 
     __tablename__ = "ledger_aliases"
-    registered_model_id: Mapped[int] = mapped_column(
-        ForeignKey("ledger_registered_models.id"), primary_key=True
-    )
+    registered_model_id: Mapped[int] = mapped_column(ForeignKey("ledger_registered_models.id"), primary_key=True)
     alias: Mapped[str] = mapped_column(String(64), primary_key=True)
     model_version_id: Mapped[int] = mapped_column(ForeignKey("ledger_model_versions.id"))
     release_id: Mapped[int] = mapped_column(ForeignKey("ledger_releases.id"))

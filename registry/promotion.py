@@ -14,6 +14,7 @@ A rollback moves `champion` to its previous holder, or to the base version when 
 none: nobody holding `champion` means the base backbone serves. The version rolled back is
 retired, and no promotion to `champion` takes it again until a person re-nominates it.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -51,20 +52,34 @@ Expected = Union[int, None, str]
 
 
 def _release_info(row: Release) -> ReleaseInfo:
-    return ReleaseInfo(row.id, row.registered_model_id, row.alias, row.model_version_id,
-                       row.previous_version_id, row.action, row.reason, row.flow_run_id,
-                       row.created_at, row.mlflow_synced_at is not None)
+    return ReleaseInfo(
+        row.id,
+        row.registered_model_id,
+        row.alias,
+        row.model_version_id,
+        row.previous_version_id,
+        row.action,
+        row.reason,
+        row.flow_run_id,
+        row.created_at,
+        row.mlflow_synced_at is not None,
+    )
 
 
 def _passing_decision(session: Session, version_id: int) -> GateDecision:
     """The version's latest gate decision, which must be a pass (fail closed)."""
-    decision = session.scalar(select(GateDecision).where(GateDecision.model_version_id == version_id)
-                              .order_by(GateDecision.id.desc()).limit(1))
+    decision = session.scalar(
+        select(GateDecision)
+        .where(GateDecision.model_version_id == version_id)
+        .order_by(GateDecision.id.desc())
+        .limit(1)
+    )
     if decision is None:
         raise GateNotPassed(f"version id {version_id} has no gate decision; it cannot be promoted")
     if not decision.passed:
-        raise GateNotPassed(f"version id {version_id} failed gate decision {decision.id} "
-                            f"(policy {decision.policy_name!r})")
+        raise GateNotPassed(
+            f"version id {version_id} failed gate decision {decision.id} (policy {decision.policy_name!r})"
+        )
     return decision
 
 
@@ -75,30 +90,60 @@ def _version_label(session: Session, version_id: Optional[int]) -> str:
     return f"{row.name} (id {row.id})"
 
 
-def _record_release(session: Session, model_id: int, alias: str, version_id: int, previous: Optional[int],
-                    action: str, reason: str, flow_run_id: Optional[str]) -> Release:
-    release = Release(registered_model_id=model_id, alias=alias, model_version_id=version_id,
-                      previous_version_id=previous, action=action, reason=reason, flow_run_id=flow_run_id)
+def _record_release(
+    session: Session,
+    model_id: int,
+    alias: str,
+    version_id: int,
+    previous: Optional[int],
+    action: str,
+    reason: str,
+    flow_run_id: Optional[str],
+) -> Release:
+    release = Release(
+        registered_model_id=model_id,
+        alias=alias,
+        model_version_id=version_id,
+        previous_version_id=previous,
+        action=action,
+        reason=reason,
+        flow_run_id=flow_run_id,
+    )
     session.add(release)
     session.flush()
     return release
 
 
-def _move_alias(session: Session, model_id: int, alias: str, version_id: int, previous: Optional[int],
-                action: str, reason: str, flow_run_id: Optional[str]) -> Release:
+def _move_alias(
+    session: Session,
+    model_id: int,
+    alias: str,
+    version_id: int,
+    previous: Optional[int],
+    action: str,
+    reason: str,
+    flow_run_id: Optional[str],
+) -> Release:
     release = _record_release(session, model_id, alias, version_id, previous, action, reason, flow_run_id)
     holder = session.get(AliasHolder, (model_id, alias))
     if holder is None:
-        session.add(AliasHolder(registered_model_id=model_id, alias=alias, model_version_id=version_id,
-                                release_id=release.id))
+        session.add(
+            AliasHolder(registered_model_id=model_id, alias=alias, model_version_id=version_id, release_id=release.id)
+        )
     else:
         holder.model_version_id = version_id
         holder.release_id = release.id
     return release
 
 
-def _sync_to_mlflow(ledger: Ledger, bridge: Optional[MlflowBridge], model_name: str, alias: str,
-                    mlflow_version: Optional[str], release: ReleaseInfo) -> ReleaseInfo:
+def _sync_to_mlflow(
+    ledger: Ledger,
+    bridge: Optional[MlflowBridge],
+    model_name: str,
+    alias: str,
+    mlflow_version: Optional[str],
+    release: ReleaseInfo,
+) -> ReleaseInfo:
     """Move the MLflow alias like the ledger's; `mlflow_version` None: the base serves, so
     MLflow's alias is removed."""
     if bridge is None:
@@ -114,14 +159,26 @@ def _sync_to_mlflow(ledger: Ledger, bridge: Optional[MlflowBridge], model_name: 
 
 def _retired_by(session: Session, version: ModelVersion) -> str:
     """How a retired version was retired, for the error that refuses to promote it."""
-    release = session.scalar(select(Release).where(Release.previous_version_id == version.id,
-                                                   Release.action == "rollback").order_by(Release.id.desc()).limit(1))
+    release = session.scalar(
+        select(Release)
+        .where(Release.previous_version_id == version.id, Release.action == "rollback")
+        .order_by(Release.id.desc())
+        .limit(1)
+    )
     return f"release #{release.id}: {release.reason}" if release else "no rollback release found"
 
 
-def promote(ledger: Ledger, bridge: Optional[MlflowBridge], version_id: int, *, alias: str = "champion",
-            reason: str = "", flow_run_id: Optional[str] = None, expected_current: Expected = FROM_GATE,
-            require_gate: bool = True) -> ReleaseInfo:
+def promote(
+    ledger: Ledger,
+    bridge: Optional[MlflowBridge],
+    version_id: int,
+    *,
+    alias: str = "champion",
+    reason: str = "",
+    flow_run_id: Optional[str] = None,
+    expected_current: Expected = FROM_GATE,
+    require_gate: bool = True,
+) -> ReleaseInfo:
     """Give `alias` to a version: ledger first (one transaction), then MLflow.
 
     `expected_current` is the version that must hold the alias right now: by default the
@@ -133,8 +190,10 @@ def promote(ledger: Ledger, bridge: Optional[MlflowBridge], version_id: int, *, 
         raise PromotionError(f"alias: expected one of {MANAGED_ALIASES}, got {alias!r}")
     version = get_version(ledger, version_id)
     if bridge is not None and version.mlflow_version is None:
-        raise PromotionError(f"version {version.name} (id {version.id}) is not in MLflow yet; "
-                             "publish it (registry.publish_version) before promoting")
+        raise PromotionError(
+            f"version {version.name} (id {version.id}) is not in MLflow yet; "
+            "publish it (registry.publish_version) before promoting"
+        )
     with ledger.transaction() as s:
         lock_line(s, version.model_id)
         holder = s.get(AliasHolder, (version.model_id, alias))
@@ -146,7 +205,8 @@ def promote(ledger: Ledger, bridge: Optional[MlflowBridge], version_id: int, *, 
             if alias == "champion" and row.status == "retired":
                 raise PromotionError(
                     f"{version.name} (id {version.id}) was retired by rollback ({_retired_by(s, row)}); "
-                    "re-nominate it with `atlas renominate` to make it promotable again")
+                    "re-nominate it with `atlas renominate` to make it promotable again"
+                )
             decision = _passing_decision(s, version_id) if require_gate else None
             expected = expected_current
             if expected == FROM_GATE:
@@ -157,30 +217,54 @@ def promote(ledger: Ledger, bridge: Optional[MlflowBridge], version_id: int, *, 
                 raise PromotionConflict(
                     f"{alias} of {version.model_name} is held by {_version_label(s, current)}, but "
                     f"{version.name} was gated against {_version_label(s, expected)}; re-evaluate it "
-                    "against the new release")
-            release = _move_alias(s, version.model_id, alias, version_id, current, "promote",
-                                  reason, flow_run_id)
+                    "against the new release"
+                )
+            release = _move_alias(s, version.model_id, alias, version_id, current, "promote", reason, flow_run_id)
         info = _release_info(release)
     return _sync_to_mlflow(ledger, bridge, version.model_name, alias, version.mlflow_version, info)
 
 
-def mark_candidate(ledger: Ledger, bridge: Optional[MlflowBridge], version_id: int,
-                   flow_run_id: Optional[str] = None) -> ReleaseInfo:
+def mark_candidate(
+    ledger: Ledger, bridge: Optional[MlflowBridge], version_id: int, flow_run_id: Optional[str] = None
+) -> ReleaseInfo:
     """Point `candidate` at the version under evaluation (no gate needed)."""
-    return promote(ledger, bridge, version_id, alias="candidate", reason="under evaluation",
-                   flow_run_id=flow_run_id, expected_current=ANY_HOLDER, require_gate=False)
+    return promote(
+        ledger,
+        bridge,
+        version_id,
+        alias="candidate",
+        reason="under evaluation",
+        flow_run_id=flow_run_id,
+        expected_current=ANY_HOLDER,
+        require_gate=False,
+    )
 
 
 def _rollback_target(session: Session, model_id: int, alias: str, current: int) -> Optional[int]:
     """Who held the alias before the current holder was last promoted."""
-    promoted = session.scalar(select(Release).where(
-        Release.registered_model_id == model_id, Release.alias == alias,
-        Release.model_version_id == current, Release.action == "promote").order_by(Release.id.desc()).limit(1))
+    promoted = session.scalar(
+        select(Release)
+        .where(
+            Release.registered_model_id == model_id,
+            Release.alias == alias,
+            Release.model_version_id == current,
+            Release.action == "promote",
+        )
+        .order_by(Release.id.desc())
+        .limit(1)
+    )
     return promoted.previous_version_id if promoted else None
 
 
-def rollback(ledger: Ledger, bridge: Optional[MlflowBridge], model_id: int, reason: str, *,
-             flow_run_id: Optional[str] = None, alias: str = "champion") -> ReleaseInfo:
+def rollback(
+    ledger: Ledger,
+    bridge: Optional[MlflowBridge],
+    model_id: int,
+    reason: str,
+    *,
+    flow_run_id: Optional[str] = None,
+    alias: str = "champion",
+) -> ReleaseInfo:
     """Move `alias` back to the version that held it before the current one, or to the base
     version when nobody did; the version rolled back is retired. Records why."""
     if not reason or not reason.strip():
@@ -194,8 +278,9 @@ def rollback(ledger: Ledger, bridge: Optional[MlflowBridge], model_id: int, reas
         target = _rollback_target(s, model_id, alias, current)
         if target is None:
             # Back to the bare backbone: the release names the base, and nobody holds the alias.
-            release = _record_release(s, model_id, alias, base_row(s, model).id, current, "rollback",
-                                      reason, flow_run_id)
+            release = _record_release(
+                s, model_id, alias, base_row(s, model).id, current, "rollback", reason, flow_run_id
+            )
             s.delete(holder)
             mlflow_version = None
         else:
@@ -226,12 +311,21 @@ def renominate(ledger: Ledger, version_id: int, reason: str, *, flow_run_id: Opt
             raise LedgerError(f"model version id {version_id} does not exist in the ledger")
         lock_line(s, version.registered_model_id)
         if version.status != "retired":
-            raise PromotionError(f"{version.name} (id {version.id}) is {version.status}, not retired; "
-                                 "there is nothing to re-nominate")
+            raise PromotionError(
+                f"{version.name} (id {version.id}) is {version.status}, not retired; there is nothing to re-nominate"
+            )
         version.status = "active"
         holder = s.get(AliasHolder, (version.registered_model_id, "champion"))
-        release = _record_release(s, version.registered_model_id, "champion", version.id,
-                                  holder.model_version_id if holder else None, "renominate", reason, flow_run_id)
+        release = _record_release(
+            s,
+            version.registered_model_id,
+            "champion",
+            version.id,
+            holder.model_version_id if holder else None,
+            "renominate",
+            reason,
+            flow_run_id,
+        )
         release.mlflow_synced_at = utcnow()  # no alias moved: MLflow has nothing to catch up on
         return _release_info(release)
 
@@ -261,8 +355,10 @@ def repair(ledger: Ledger, bridge: MlflowBridge, model_id: Optional[int] = None)
         models = [(m.id, m.name) for m in s.scalars(query)]
     for mid, name in models:
         with ledger.transaction() as s:
-            wanted = {h.alias: s.get(ModelVersion, h.model_version_id) for h in
-                      s.scalars(select(AliasHolder).where(AliasHolder.registered_model_id == mid))}
+            wanted = {
+                h.alias: s.get(ModelVersion, h.model_version_id)
+                for h in s.scalars(select(AliasHolder).where(AliasHolder.registered_model_id == mid))
+            }
             wanted = {alias: (row.mlflow_version, f"{row.name} (id {row.id})") for alias, row in wanted.items()}
         have = bridge.aliases(name)
         for alias in MANAGED_ALIASES:
@@ -278,6 +374,9 @@ def repair(ledger: Ledger, bridge: MlflowBridge, model_id: Optional[int] = None)
                 bridge.set_alias(name, alias, mlflow_version)
                 changes.append(f"{name}@{alias}: {have.get(alias)} -> {mlflow_version} ({label})")
         with ledger.transaction() as s:
-            s.execute(update(Release).where(Release.registered_model_id == mid, Release.mlflow_synced_at.is_(None))
-                      .values(mlflow_synced_at=utcnow()))
+            s.execute(
+                update(Release)
+                .where(Release.registered_model_id == mid, Release.mlflow_synced_at.is_(None))
+                .values(mlflow_synced_at=utcnow())
+            )
     return changes

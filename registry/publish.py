@@ -3,6 +3,7 @@
 Each function is safe to call again after a crash: it looks for what a previous attempt
 already created in MLflow (by the `ledger.*` tags) before creating anything.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,9 @@ from pathlib import Path
 from registry.db import Ledger, LedgerError
 from registry.lineage import finish_training_run, link_mlflow_run
 from registry.lines import get_version, record_manifest_sha256, set_mlflow_version, short_backbone, version_chain
-from registry.queries import atlas_config, recorded_manifest_sha256, run_checkpoints, submission
 from registry.mlflow_bridge import MlflowBridge, PyfuncModel
 from registry.models import Atlas, Backbone, Checkpoint, Dataset, RegisteredModel, TrainingRun
+from registry.queries import atlas_config, recorded_manifest_sha256, run_checkpoints, submission
 from registry.results import get_answers, latest_gate_decision
 from registry.rows import require_row
 from registry.store import ArtifactStore, atomic_write_text, sha256_bytes
@@ -38,24 +39,42 @@ def ensure_mlflow_run(ledger: Ledger, bridge: MlflowBridge, training_run_id: int
             return run.mlflow_run_id
         # One experiment per line; a run recorded without a line belongs to the line of its skill.
         line = s.get(RegisteredModel, run.registered_model_id).line if run.registered_model_id else run.skill
-        facts = dict(backbone=backbone.name, revision=backbone.revision, line=line, skill=run.skill,
-                     method=run.method, seed=run.seed, parent=run.parent_version_id, config=dict(run.config))
+        facts = dict(
+            backbone=backbone.name,
+            revision=backbone.revision,
+            line=line,
+            skill=run.skill,
+            method=run.method,
+            seed=run.seed,
+            parent=run.parent_version_id,
+            config=dict(run.config),
+        )
     experiment = bridge.experiment_id(facts["backbone"], facts["line"])
     found = bridge.client.search_runs([experiment], filter_string=f"tags.`{RUN_TAG}` = '{training_run_id}'")
     if found:
         run_id = found[0].info.run_id
     else:
-        params = {"backbone": facts["backbone"], "backbone_revision": facts["revision"],
-                  "line": facts["line"], "skill": facts["skill"], "method": facts["method"], "seed": facts["seed"],
-                  "parent_version_id": str(facts["parent"]), "atlas_content_hash": atlas.content_hash if atlas else "none",
-                  **{f"config.{k}": v for k, v in sorted(facts["config"].items())}}
+        params = {
+            "backbone": facts["backbone"],
+            "backbone_revision": facts["revision"],
+            "line": facts["line"],
+            "skill": facts["skill"],
+            "method": facts["method"],
+            "seed": facts["seed"],
+            "parent_version_id": str(facts["parent"]),
+            "atlas_content_hash": atlas.content_hash if atlas else "none",
+            **{f"config.{k}": v for k, v in sorted(facts["config"].items())},
+        }
         name = f"{short_backbone(facts['backbone'])}-{facts['skill']}-{facts['method']}-s{facts['seed']}"
-        run_id = bridge.start_run(facts["backbone"], facts["line"], name, params,
-                                  tags={RUN_TAG: str(training_run_id)})
+        run_id = bridge.start_run(facts["backbone"], facts["line"], name, params, tags={RUN_TAG: str(training_run_id)})
         if data is not None:  # the skill's data snapshot, by content
             name, split, sha256 = data
-            bridge.log_dataset(run_id, f"{name}:{split}", sha256, json.dumps({"dataset": name, "split": split,
-                                                                            "sha256": sha256}, sort_keys=True))
+            bridge.log_dataset(
+                run_id,
+                f"{name}:{split}",
+                sha256,
+                json.dumps({"dataset": name, "split": split, "sha256": sha256}, sort_keys=True),
+            )
     link_mlflow_run(ledger, training_run_id, run_id)
     return run_id
 
@@ -72,8 +91,9 @@ def log_checkpoint(ledger: Ledger, bridge: MlflowBridge, checkpoint_id: int) -> 
     with ledger.transaction() as s:
         ckpt = require_row(s, Checkpoint, checkpoint_id, "checkpoint")
         training_run_id, step, epoch = ckpt.training_run_id, ckpt.step, ckpt.epoch
-        metrics = {k: float(v) for k, v in ckpt.metrics.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        metrics = {
+            k: float(v) for k, v in ckpt.metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
     run_id = ensure_mlflow_run(ledger, bridge, training_run_id)
     bridge.log_metrics(run_id, {**metrics, "epoch": float(epoch)}, step)
 
@@ -83,12 +103,20 @@ def version_tags(ledger: Ledger, version_id: int) -> dict[str, str]:
     v = get_version(ledger, version_id)
     decision = latest_gate_decision(ledger, version_id)
     tags = {
-        "version_name": v.name, "backbone": v.backbone, "line": v.line, "skill": str(v.skill),
+        "version_name": v.name,
+        "backbone": v.backbone,
+        "line": v.line,
+        "skill": str(v.skill),
         "ledger.parent_version_id": str(v.parent_id),
-        "method": str(v.method), "seed": str(v.seed), "epoch": str(v.epoch), "step": str(v.step),
-        "adapter_sha256": str(v.adapter_sha256), "atlas_sha256": str(v.atlas_sha256),
+        "method": str(v.method),
+        "seed": str(v.seed),
+        "epoch": str(v.epoch),
+        "step": str(v.step),
+        "adapter_sha256": str(v.adapter_sha256),
+        "atlas_sha256": str(v.atlas_sha256),
         "gate_verdict": "pending" if decision is None else ("pass" if decision.passed else "fail"),
-        VERSION_TAG: str(v.id), "ledger.checkpoint_id": str(v.checkpoint_id),
+        VERSION_TAG: str(v.id),
+        "ledger.checkpoint_id": str(v.checkpoint_id),
         "ledger.training_run_id": str(v.training_run_id),
     }
     manifest_sha256 = recorded_manifest_sha256(ledger, version_id)
@@ -132,18 +160,36 @@ def _release_plan(ledger: Ledger, version_id: int) -> tuple[dict, list[tuple[str
         revision, weights_sha256 = backbone.revision, backbone.weights_sha256
     chain, files = [], []
     for i, d in enumerate(version_chain(ledger, version_id), start=1):
-        entry = {"ledger_version_id": d.id, "name": d.name, "skill": d.skill, "method": d.method,
-                 "adapter_sha256": d.adapter_sha256, "atlas_sha256": d.atlas_sha256, "atlas": None}
+        entry = {
+            "ledger_version_id": d.id,
+            "name": d.name,
+            "skill": d.skill,
+            "method": d.method,
+            "adapter_sha256": d.adapter_sha256,
+            "atlas_sha256": d.atlas_sha256,
+            "atlas": None,
+        }
         for role, (sha256, manifest_sha256) in _delta_files(ledger, d).items():
             stem = f"deltas/{i:02d}-{d.name}" if role == "adapter" else f"atlases/{sha256[:16]}"
             files.append((stem, sha256, manifest_sha256))
             entry[role] = f"{stem}.safetensors"
         chain.append(entry)
-    manifest = {"format": RELEASE_FORMAT, "name": v.name, "model": v.model_name, "line": v.line, "skill": v.skill,
-                "backbone": {"name": v.backbone, "revision": revision, "weights_sha256": weights_sha256},
-                "method": v.method, "seed": v.seed, "epoch": v.epoch, "step": v.step,
-                "ledger_version_id": v.id, "ledger_checkpoint_id": v.checkpoint_id,
-                "ledger_parent_version_id": v.parent_id, "chain": chain}
+    manifest = {
+        "format": RELEASE_FORMAT,
+        "name": v.name,
+        "model": v.model_name,
+        "line": v.line,
+        "skill": v.skill,
+        "backbone": {"name": v.backbone, "revision": revision, "weights_sha256": weights_sha256},
+        "method": v.method,
+        "seed": v.seed,
+        "epoch": v.epoch,
+        "step": v.step,
+        "ledger_version_id": v.id,
+        "ledger_checkpoint_id": v.checkpoint_id,
+        "ledger_parent_version_id": v.parent_id,
+        "chain": chain,
+    }
     return manifest, files
 
 
@@ -181,8 +227,13 @@ def write_release_folder(ledger: Ledger, store: ArtifactStore, version_id: int, 
         if manifest_sha256 is not None:  # recorded by every cycle; absent only in hand-made ledgers
             store.fetch(manifest_sha256, folder / f"{stem}.json")
     answers = sorted(get_answers(ledger, version_id).values(), key=lambda a: (a.dataset, a.question_id))
-    lines = [json.dumps({"dataset": a.dataset, "question_id": a.question_id, "answer": a.answer,
-                         "correct": a.correct}, sort_keys=True) for a in answers]
+    lines = [
+        json.dumps(
+            {"dataset": a.dataset, "question_id": a.question_id, "answer": a.answer, "correct": a.correct},
+            sort_keys=True,
+        )
+        for a in answers
+    ]
     atomic_write_text(folder / "answers.jsonl", "".join(line + "\n" for line in lines))
     # The sidecar goes first: a crash before manifest.json leaves no manifest to verify (nor a
     # complete-looking folder), and one over an older folder leaves a pair that does not match.
@@ -191,8 +242,9 @@ def write_release_folder(ledger: Ledger, store: ArtifactStore, version_id: int, 
     return manifest
 
 
-def publish_version(ledger: Ledger, store: ArtifactStore, bridge: MlflowBridge, version_id: int,
-                    pyfunc: PyfuncModel | None = None) -> str:
+def publish_version(
+    ledger: Ledger, store: ArtifactStore, bridge: MlflowBridge, version_id: int, pyfunc: PyfuncModel | None = None
+) -> str:
     """Create the MLflow model version of a ledger version; returns the MLflow version number.
 
     The version's release folder is logged under `versions/<name>/` of its training run and the
@@ -217,7 +269,8 @@ def publish_version(ledger: Ledger, store: ArtifactStore, bridge: MlflowBridge, 
                 bridge.log_folder(run_id, folder, artifact_path)
             else:
                 bridge.log_pyfunc(run_id, artifact_path, folder, pyfunc)
-        existing = bridge.create_version(v.model_name, run_id, artifact_path,
-                                         version_tags(ledger, version_id), description=v.name)
+        existing = bridge.create_version(
+            v.model_name, run_id, artifact_path, version_tags(ledger, version_id), description=v.name
+        )
     set_mlflow_version(ledger, version_id, existing)
     return existing

@@ -1,5 +1,6 @@
 """Read-only views of the ledger that the flows and the CLI need: each is one transaction
 of plain selects, returning plain values (tuples, dicts), never ORM rows."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -13,15 +14,27 @@ from registry.records import VersionInfo
 from registry.rows import require_row
 
 
-def find_training_run(ledger: Ledger, backbone_id: int, skill: str, method: str, seed: int, run_key: str, *,
-                      model_id: Optional[int] = None) -> Optional[tuple[int, str]]:
+def find_training_run(
+    ledger: Ledger,
+    backbone_id: int,
+    skill: str,
+    method: str,
+    seed: int,
+    run_key: str,
+    *,
+    model_id: Optional[int] = None,
+) -> Optional[tuple[int, str]]:
     """(id, status) of the training run with this content key, so a rerun resumes it.
 
     With `model_id`, only a run trained for that line counts.
     """
     with ledger.transaction() as s:
-        query = select(TrainingRun).where(TrainingRun.backbone_id == backbone_id, TrainingRun.skill == skill,
-                                          TrainingRun.method == method, TrainingRun.seed == seed)
+        query = select(TrainingRun).where(
+            TrainingRun.backbone_id == backbone_id,
+            TrainingRun.skill == skill,
+            TrainingRun.method == method,
+            TrainingRun.seed == seed,
+        )
         if model_id is not None:
             query = query.where(TrainingRun.registered_model_id == model_id)
         for row in s.scalars(query.order_by(TrainingRun.id)):
@@ -33,8 +46,9 @@ def find_training_run(ledger: Ledger, backbone_id: int, skill: str, method: str,
 def run_checkpoints(ledger: Ledger, training_run_id: int) -> list[tuple[int, int, int, dict]]:
     """(checkpoint id, epoch, step, metrics) of a training run, oldest first."""
     with ledger.transaction() as s:
-        rows = s.scalars(select(Checkpoint).where(Checkpoint.training_run_id == training_run_id)
-                         .order_by(Checkpoint.step))
+        rows = s.scalars(
+            select(Checkpoint).where(Checkpoint.training_run_id == training_run_id).order_by(Checkpoint.step)
+        )
         return [(r.id, r.epoch, r.step, dict(r.metrics)) for r in rows]
 
 
@@ -48,8 +62,12 @@ def run_versions(ledger: Ledger, training_run_id: int) -> list[VersionInfo]:
     """The versions registered from a training run's checkpoints, oldest first."""
     with ledger.transaction() as s:
         require_row(s, TrainingRun, training_run_id, "training run")
-        rows = s.scalars(select(ModelVersion).join(Checkpoint, ModelVersion.checkpoint_id == Checkpoint.id)
-                         .where(Checkpoint.training_run_id == training_run_id).order_by(ModelVersion.id))
+        rows = s.scalars(
+            select(ModelVersion)
+            .join(Checkpoint, ModelVersion.checkpoint_id == Checkpoint.id)
+            .where(Checkpoint.training_run_id == training_run_id)
+            .order_by(ModelVersion.id)
+        )
         return [version_info(s, row) for row in rows]
 
 
@@ -63,15 +81,19 @@ def evaluation_extra(ledger: Ledger, evaluation_id: int) -> dict:
 def recent_decisions(ledger: Ledger, model_id: int, limit: int = 10) -> list[tuple[int, str, bool, str, str]]:
     """(decision id, version name, passed, policy, when) of a line's latest gate decisions."""
     with ledger.transaction() as s:
-        rows = s.execute(select(GateDecision, ModelVersion.name).join(
-            ModelVersion, GateDecision.model_version_id == ModelVersion.id)
+        rows = s.execute(
+            select(GateDecision, ModelVersion.name)
+            .join(ModelVersion, GateDecision.model_version_id == ModelVersion.id)
             .where(ModelVersion.registered_model_id == model_id)
-            .order_by(GateDecision.id.desc()).limit(limit)).all()
+            .order_by(GateDecision.id.desc())
+            .limit(limit)
+        ).all()
         return [(d.id, name, d.passed, d.policy_name, d.created_at.strftime("%Y-%m-%d %H:%M:%S")) for d, name in rows]
 
 
-def recent_training_runs(ledger: Ledger, backbone_id: int, skill: Optional[str], limit: int = 10, *,
-                         model_id: Optional[int] = None) -> list[dict]:
+def recent_training_runs(
+    ledger: Ledger, backbone_id: int, skill: Optional[str], limit: int = 10, *, model_id: Optional[int] = None
+) -> list[dict]:
     """The latest training runs on a backbone, newest first: of one skill, and/or (with
     `model_id`) of one line; skill=None means every skill."""
     with ledger.transaction() as s:
@@ -81,8 +103,18 @@ def recent_training_runs(ledger: Ledger, backbone_id: int, skill: Optional[str],
         if model_id is not None:
             query = query.where(TrainingRun.registered_model_id == model_id)
         rows = s.scalars(query.order_by(TrainingRun.id.desc()).limit(limit))
-        return [{"id": r.id, "skill": r.skill, "method": r.method, "seed": r.seed, "status": r.status,
-                 "flow_run_id": r.flow_run_id, "started": r.started_at.strftime("%Y-%m-%d %H:%M:%S")} for r in rows]
+        return [
+            {
+                "id": r.id,
+                "skill": r.skill,
+                "method": r.method,
+                "seed": r.seed,
+                "status": r.status,
+                "flow_run_id": r.flow_run_id,
+                "started": r.started_at.strftime("%Y-%m-%d %H:%M:%S"),
+            }
+            for r in rows
+        ]
 
 
 def recorded_manifest_sha256(ledger: Ledger, version_id: int) -> Optional[str]:
@@ -109,7 +141,6 @@ def atlas_files(ledger: Ledger, atlas_id: int) -> tuple[str, str]:
         return row.artifact_sha256, manifest
 
 
-
 def submission(ledger: Ledger, version: VersionInfo) -> Optional[dict]:
     """What `atlas submit` recorded on the version's run (source, sha256, format, kind); None for
     the base and for versions an update cycle trained."""
@@ -124,5 +155,7 @@ def version_source(ledger: Ledger, version: VersionInfo) -> str:
     submitted = submission(ledger, version)
     if not submitted:
         return "base" if version.training_run_id is None else "trained"
-    return (f"submitted {submitted.get('format', '?')} sha256:{str(submitted.get('sha256'))[:12]} "
-            f"from {submitted.get('source', '?')}")
+    return (
+        f"submitted {submitted.get('format', '?')} sha256:{str(submitted.get('sha256'))[:12]} "
+        f"from {submitted.get('source', '?')}"
+    )

@@ -3,6 +3,7 @@
 Callers (the flows) build the input records from their own results; the ledger returns
 output records instead of ORM objects so that nothing depends on an open session.
 """
+
 from __future__ import annotations
 
 import math

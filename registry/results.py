@@ -1,4 +1,5 @@
 """Recording what a version did: evaluations, per-question answers and gate decisions."""
+
 from __future__ import annotations
 
 import math
@@ -8,7 +9,6 @@ from typing import Any, Optional
 from sqlalchemy import select
 
 from registry.db import Ledger, LedgerError
-from registry.rows import json_field, require_row
 from registry.models import (
     Answer,
     Evaluation,
@@ -28,14 +28,17 @@ from registry.records import (
     GateDecisionInfo,
     finite_or_none,
 )
+from registry.rows import json_field, require_row
 
 CHURN_AGAINST = ("base", "release")
 
 
 def _check_evaluation(record: EvaluationRecord) -> None:
     if not 0 <= record.target_solved <= record.target_total:
-        raise LedgerError(f"evaluation of version {record.version_id}: target_solved must be within "
-                          f"0..target_total, got {record.target_solved}/{record.target_total}")
+        raise LedgerError(
+            f"evaluation of version {record.version_id}: target_solved must be within "
+            f"0..target_total, got {record.target_solved}/{record.target_total}"
+        )
     for kl in record.kl:
         finite_or_none(kl.kl_vs_base, f"kl_vs_base[{kl.domain}]")
         finite_or_none(kl.kl_vs_release, f"kl_vs_release[{kl.domain}]")
@@ -43,8 +46,10 @@ def _check_evaluation(record: EvaluationRecord) -> None:
         if c.against not in CHURN_AGAINST:
             raise LedgerError(f"churn[{c.domain}].against: expected one of {CHURN_AGAINST}, got {c.against!r}")
         if min(c.flips_f, c.flips_g, c.flips_w) < 0 or c.flips_f + c.flips_g + c.flips_w > c.n:
-            raise LedgerError(f"churn[{c.against}/{c.domain}]: need 0 <= F+G+W <= n, got "
-                              f"F={c.flips_f} G={c.flips_g} W={c.flips_w} n={c.n}")
+            raise LedgerError(
+                f"churn[{c.against}/{c.domain}]: need 0 <= F+G+W <= n, got "
+                f"F={c.flips_f} G={c.flips_g} W={c.flips_w} n={c.n}"
+            )
     finite_or_none(record.csqa_choice_churn, "csqa_choice_churn")
 
 
@@ -55,34 +60,70 @@ def record_evaluation(ledger: Ledger, record: EvaluationRecord) -> int:
         require_row(s, ModelVersion, record.version_id, "model version")
         if record.release_version_id is not None:
             require_row(s, ModelVersion, record.release_version_id, "release model version")
-        row = Evaluation(model_version_id=record.version_id, release_version_id=record.release_version_id,
-                         target_solved=int(record.target_solved), target_total=int(record.target_total),
-                         csqa_choice_churn=record.csqa_choice_churn, extra=json_field(record.extra, "extra"),
-                         flow_run_id=record.flow_run_id)
+        row = Evaluation(
+            model_version_id=record.version_id,
+            release_version_id=record.release_version_id,
+            target_solved=int(record.target_solved),
+            target_total=int(record.target_total),
+            csqa_choice_churn=record.csqa_choice_churn,
+            extra=json_field(record.extra, "extra"),
+            flow_run_id=record.flow_run_id,
+        )
         s.add(row)
         s.flush()
         for kl in record.kl:
-            s.add(EvaluationKL(evaluation_id=row.id, domain=kl.domain, kl_vs_base=kl.kl_vs_base,
-                               kl_vs_release=kl.kl_vs_release))
+            s.add(
+                EvaluationKL(
+                    evaluation_id=row.id, domain=kl.domain, kl_vs_base=kl.kl_vs_base, kl_vs_release=kl.kl_vs_release
+                )
+            )
         for c in record.churn:
-            s.add(EvaluationChurn(evaluation_id=row.id, against=c.against, domain=c.domain,
-                                  flips_f=c.flips_f, flips_g=c.flips_g, flips_w=c.flips_w, n=c.n))
+            s.add(
+                EvaluationChurn(
+                    evaluation_id=row.id,
+                    against=c.against,
+                    domain=c.domain,
+                    flips_f=c.flips_f,
+                    flips_g=c.flips_g,
+                    flips_w=c.flips_w,
+                    n=c.n,
+                )
+            )
         return row.id
 
 
 def latest_evaluation(ledger: Ledger, version_id: int) -> Optional[EvaluationInfo]:
     with ledger.transaction() as s:
-        row = s.scalar(select(Evaluation).where(Evaluation.model_version_id == version_id)
-                       .order_by(Evaluation.id.desc()).limit(1))
+        row = s.scalar(
+            select(Evaluation).where(Evaluation.model_version_id == version_id).order_by(Evaluation.id.desc()).limit(1)
+        )
         if row is None:
             return None
-        kl = [DomainKL(k.domain, k.kl_vs_base, k.kl_vs_release) for k in s.scalars(
-            select(EvaluationKL).where(EvaluationKL.evaluation_id == row.id).order_by(EvaluationKL.domain))]
-        churn = [ChurnCounts(c.against, c.domain, c.flips_f, c.flips_g, c.flips_w, c.n) for c in s.scalars(
-            select(EvaluationChurn).where(EvaluationChurn.evaluation_id == row.id)
-            .order_by(EvaluationChurn.against, EvaluationChurn.domain))]
-        return EvaluationInfo(row.id, row.model_version_id, row.release_version_id, row.target_solved,
-                              row.target_total, kl, churn, row.csqa_choice_churn, row.created_at)
+        kl = [
+            DomainKL(k.domain, k.kl_vs_base, k.kl_vs_release)
+            for k in s.scalars(
+                select(EvaluationKL).where(EvaluationKL.evaluation_id == row.id).order_by(EvaluationKL.domain)
+            )
+        ]
+        churn = [
+            ChurnCounts(c.against, c.domain, c.flips_f, c.flips_g, c.flips_w, c.n)
+            for c in s.scalars(
+                select(EvaluationChurn)
+                .where(EvaluationChurn.evaluation_id == row.id)
+                .order_by(EvaluationChurn.against, EvaluationChurn.domain)
+            )
+        ]
+        return EvaluationInfo(
+            row.id,
+            row.model_version_id,
+            row.release_version_id,
+            row.target_solved,
+            row.target_total,
+            kl,
+            churn,
+            row.csqa_choice_churn,
+            row.created_at,
+        )
 
 
 def record_answers(ledger: Ledger, version_id: int, answers: Iterable[AnswerRecord]) -> int:
@@ -104,19 +145,30 @@ def record_answers(ledger: Ledger, version_id: int, answers: Iterable[AnswerReco
         seen.add(key)
     with ledger.transaction() as s:
         require_row(s, ModelVersion, version_id, "model version")
-        stored = {(r.dataset, r.question_id): r for r in s.scalars(
-            select(Answer).where(Answer.model_version_id == version_id))}
+        stored = {
+            (r.dataset, r.question_id): r
+            for r in s.scalars(select(Answer).where(Answer.model_version_id == version_id))
+        }
         added = 0
         for a in answers:
             old = stored.get((a.dataset, a.question_id))
             if old is not None:
                 if (old.answer, old.correct) != (a.answer, a.correct):
-                    raise LedgerError(f"answer {(a.dataset, a.question_id)} of version {version_id}: already "
-                                      f"stored as {old.answer!r} (correct={old.correct}), not {a.answer!r} "
-                                      f"(correct={a.correct})")
+                    raise LedgerError(
+                        f"answer {(a.dataset, a.question_id)} of version {version_id}: already "
+                        f"stored as {old.answer!r} (correct={old.correct}), not {a.answer!r} "
+                        f"(correct={a.correct})"
+                    )
                 continue
-            s.add(Answer(model_version_id=version_id, dataset=a.dataset, question_id=a.question_id,
-                         answer=a.answer, correct=a.correct))
+            s.add(
+                Answer(
+                    model_version_id=version_id,
+                    dataset=a.dataset,
+                    question_id=a.question_id,
+                    answer=a.answer,
+                    correct=a.correct,
+                )
+            )
             added += 1
         return added
 
@@ -126,14 +178,20 @@ def get_answers(ledger: Ledger, version_id: int) -> dict[tuple[str, str], Answer
     with ledger.transaction() as s:
         require_row(s, ModelVersion, version_id, "model version")
         rows = s.scalars(select(Answer).where(Answer.model_version_id == version_id))
-        return {(r.dataset, r.question_id): AnswerRecord(r.dataset, r.question_id, r.answer, r.correct)
-                for r in rows}
+        return {(r.dataset, r.question_id): AnswerRecord(r.dataset, r.question_id, r.answer, r.correct) for r in rows}
 
 
-def record_gate_decision(ledger: Ledger, version_id: int, policy_name: str, policy: dict[str, Any],
-                         checks: list[GateCheckRecord], *, evaluation_id: Optional[int] = None,
-                         release_version_id: Optional[int] = None,
-                         flow_run_id: Optional[str] = None) -> GateDecisionInfo:
+def record_gate_decision(
+    ledger: Ledger,
+    version_id: int,
+    policy_name: str,
+    policy: dict[str, Any],
+    checks: list[GateCheckRecord],
+    *,
+    evaluation_id: Optional[int] = None,
+    release_version_id: Optional[int] = None,
+    flow_run_id: Optional[str] = None,
+) -> GateDecisionInfo:
     """Store a gate verdict: passed only if there is at least one check and every check passed.
 
     `release_version_id` is the champion the candidate was measured against; a promotion
@@ -143,8 +201,10 @@ def record_gate_decision(ledger: Ledger, version_id: int, policy_name: str, poli
         raise LedgerError(f"gate decision for version {version_id}: no checks given (fail closed)")
     for c in checks:
         if c.passed and (c.measured is None or not math.isfinite(c.measured)):
-            raise LedgerError(f"gate check {c.name!r}: passed with measured value {c.measured} "
-                              "(a missing or non-finite metric must fail)")
+            raise LedgerError(
+                f"gate check {c.name!r}: passed with measured value {c.measured} "
+                "(a missing or non-finite metric must fail)"
+            )
     passed = all(c.passed for c in checks)
     with ledger.transaction() as s:
         require_row(s, ModelVersion, version_id, "model version")
@@ -152,28 +212,57 @@ def record_gate_decision(ledger: Ledger, version_id: int, policy_name: str, poli
             require_row(s, Evaluation, evaluation_id, "evaluation")
         if release_version_id is not None:
             require_row(s, ModelVersion, release_version_id, "release model version")
-        row = GateDecision(model_version_id=version_id, evaluation_id=evaluation_id,
-                           release_version_id=release_version_id, policy_name=policy_name,
-                           policy=json_field(policy, "policy"), passed=passed, flow_run_id=flow_run_id)
+        row = GateDecision(
+            model_version_id=version_id,
+            evaluation_id=evaluation_id,
+            release_version_id=release_version_id,
+            policy_name=policy_name,
+            policy=json_field(policy, "policy"),
+            passed=passed,
+            flow_run_id=flow_run_id,
+        )
         s.add(row)
         s.flush()
         for c in checks:
             finite = c.measured is not None and math.isfinite(c.measured)
             # A non-finite measurement cannot be stored portably; keep it readable in `detail`.
             detail = c.detail if finite or c.measured is None else f"{c.detail} (measured {c.measured})".strip()
-            s.add(GateCheck(decision_id=row.id, name=c.name, threshold=finite_or_none(c.threshold, c.name),
-                            measured=c.measured if finite else None, passed=c.passed, detail=detail))
-        return GateDecisionInfo(row.id, version_id, evaluation_id, release_version_id, policy_name,
-                                passed, list(checks), row.created_at)
+            s.add(
+                GateCheck(
+                    decision_id=row.id,
+                    name=c.name,
+                    threshold=finite_or_none(c.threshold, c.name),
+                    measured=c.measured if finite else None,
+                    passed=c.passed,
+                    detail=detail,
+                )
+            )
+        return GateDecisionInfo(
+            row.id, version_id, evaluation_id, release_version_id, policy_name, passed, list(checks), row.created_at
+        )
 
 
 def latest_gate_decision(ledger: Ledger, version_id: int) -> Optional[GateDecisionInfo]:
     with ledger.transaction() as s:
-        row = s.scalar(select(GateDecision).where(GateDecision.model_version_id == version_id)
-                       .order_by(GateDecision.id.desc()).limit(1))
+        row = s.scalar(
+            select(GateDecision)
+            .where(GateDecision.model_version_id == version_id)
+            .order_by(GateDecision.id.desc())
+            .limit(1)
+        )
         if row is None:
             return None
-        checks = [GateCheckRecord(c.name, c.threshold, c.measured, c.passed, c.detail) for c in s.scalars(
-            select(GateCheck).where(GateCheck.decision_id == row.id).order_by(GateCheck.id))]
-        return GateDecisionInfo(row.id, row.model_version_id, row.evaluation_id, row.release_version_id,
-                                row.policy_name, row.passed, checks, row.created_at)
+        checks = [
+            GateCheckRecord(c.name, c.threshold, c.measured, c.passed, c.detail)
+            for c in s.scalars(select(GateCheck).where(GateCheck.decision_id == row.id).order_by(GateCheck.id))
+        ]
+        return GateDecisionInfo(
+            row.id,
+            row.model_version_id,
+            row.evaluation_id,
+            row.release_version_id,
+            row.policy_name,
+            row.passed,
+            checks,
+            row.created_at,
+        )

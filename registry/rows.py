@@ -1,4 +1,5 @@
 """Helpers every ledger module uses: checked names, row lookups, JSON values, retries."""
+
 from __future__ import annotations
 
 import json

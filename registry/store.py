@@ -5,6 +5,7 @@ folder by default, or any fsspec URL (`s3://bucket/prefix`, `memory://x`, ...). 
 goes to a temporary name next to its destination and is renamed into place, so a reader
 never sees half a file; a read recomputes the hash and refuses a file that does not match.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,8 +40,7 @@ class ArtifactMissingError(ArtifactError):
 class ArtifactCorruptedError(ArtifactError):
     def __init__(self, path: str, expected_sha256: str, actual_sha256: str) -> None:
         super().__init__(
-            f"artifact {path} is corrupted: expected sha256 {expected_sha256}, "
-            f"file has {actual_sha256}",
+            f"artifact {path} is corrupted: expected sha256 {expected_sha256}, file has {actual_sha256}",
             path,
             expected_sha256,
         )
@@ -164,9 +164,7 @@ class ArtifactStore:
         """Check the stored file against its hash; return its store path or raise."""
         path = self.path_for(sha256)
         if not self.fs.exists(path):
-            raise ArtifactMissingError(
-                f"artifact {path} is missing (expected sha256 {sha256})", path, sha256
-            )
+            raise ArtifactMissingError(f"artifact {path} is missing (expected sha256 {sha256})", path, sha256)
         actual = self._hash_of(path)
         if actual != sha256:
             raise ArtifactCorruptedError(path, sha256, actual)
@@ -179,9 +177,7 @@ class ArtifactStore:
             with self.fs.open(path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
-            raise ArtifactMissingError(
-                f"artifact {path} is missing (expected sha256 {sha256})", path, sha256
-            ) from None
+            raise ArtifactMissingError(f"artifact {path} is missing (expected sha256 {sha256})", path, sha256) from None
         actual = hashlib.sha256(data).hexdigest()
         if actual != sha256:
             raise ArtifactCorruptedError(path, sha256, actual)

@@ -1,5 +1,6 @@
 """What the baseline tests share: tiny models of chosen widths, retained statistics, a few real
 training steps, and logits through the adapter or through a chain of saved deltas."""
+
 from __future__ import annotations
 
 import torch
@@ -14,16 +15,26 @@ LAYER = 1
 WEIGHT_METHODS = ("weight-lora", "lora-null", "lora-null-v2", "oplora", "o-lora", "corda-kpm", "clora", "toplora")
 
 
-def tiny(hidden: int = 64, heads: int = 4, head_dim: int | None = None, layers: int = 3, family: str = "llama",
-         seed: int = 0) -> torch.nn.Module:
+def tiny(
+    hidden: int = 64, heads: int = 4, head_dim: int | None = None, layers: int = 3, family: str = "llama", seed: int = 0
+) -> torch.nn.Module:
     """A random causal LM; o_proj of each layer is (hidden, heads * head_dim)."""
     import transformers
 
     cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[family]
     extra = {} if head_dim is None else {"head_dim": head_dim}
     torch.manual_seed(seed)
-    config = cls(vocab_size=97, hidden_size=hidden, intermediate_size=128, num_hidden_layers=layers,
-                 num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, **extra)
+    config = cls(
+        vocab_size=97,
+        hidden_size=hidden,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        **extra,
+    )
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
@@ -38,11 +49,21 @@ def stats_for(model, n: int = 6, layer: int = LAYER):
 
 def run_config(method: str, rank: int = 4, layer: int = LAYER, **train) -> RunConfig:
     """adapter weight-lora with lora.method = `method` ("lora-null-v2": LoRA-Null in mode v2)."""
-    opts = LoRAOptions(method="lora-null" if method == "lora-null-v2" else method, alpha=float(rank),
-                       lora_null=LoRANullOptions(mode="v2" if method == "lora-null-v2" else "v1"),
-                       oplora=OPLoRAOptions(k=train.pop("k", 16)), o_lora=OLoRAOptions(), clora=CLoRAOptions())
-    return RunConfig(adapter="weight-lora", layer=layer, rank=rank, lora=opts,
-                     train=TrainConfig(progress=False, **({"lr": 2e-2, "epochs": 1, "batch_size": 4} | train)))
+    opts = LoRAOptions(
+        method="lora-null" if method == "lora-null-v2" else method,
+        alpha=float(rank),
+        lora_null=LoRANullOptions(mode="v2" if method == "lora-null-v2" else "v1"),
+        oplora=OPLoRAOptions(k=train.pop("k", 16)),
+        o_lora=OLoRAOptions(),
+        clora=CLoRAOptions(),
+    )
+    return RunConfig(
+        adapter="weight-lora",
+        layer=layer,
+        rank=rank,
+        lora=opts,
+        train=TrainConfig(progress=False, **({"lr": 2e-2, "epochs": 1, "batch_size": 4} | train)),
+    )
 
 
 def build(model, method: str, rank: int = 4, stats=None, **train):

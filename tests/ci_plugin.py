@@ -4,6 +4,7 @@ must turn CI red, not green. Locally a skip stays a skip, with its reason in the
 The one exception: a test marked `cuda` (tests/test_cuda_paths.py) may skip under CI=true on a
 machine without a CUDA device, where it cannot run; it still shows as a skip with its reason
 (`-rs`). Where a device exists, a skipped `cuda` test fails CI like any other."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Shared fixtures: tiny randomly initialised decoder models built in-process (no downloads)."""
+
 from __future__ import annotations
 
 import os
@@ -13,10 +14,19 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 import pytest
 import torch
 
-pytest_plugins = ["tests.ci_plugin"]  # CI=true: a skipped test fails the run
+# ci_plugin: under CI=true a skipped test fails the run; the other two provide the shared fixtures
+# (ledger, store, bridge, ...; prefect_harness, state) to every test module by name.
+pytest_plugins = ["tests.ci_plugin", "tests.conftest_registry", "tests.flows_fixtures"]
 
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 FAMILIES = ("llama", "qwen3", "qwen2", "mistral", "gemma", "gemma2", "glm4")
@@ -27,8 +37,15 @@ def tiny_model(family: str = "llama", seed: int = 0) -> torch.nn.Module:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    config_class = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
-                    "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "glm4": "Glm4Config"}[family]
+    config_class = {
+        "llama": "LlamaConfig",
+        "qwen3": "Qwen3Config",
+        "qwen2": "Qwen2Config",
+        "mistral": "MistralConfig",
+        "gemma": "GemmaConfig",
+        "gemma2": "Gemma2Config",
+        "glm4": "Glm4Config",
+    }[family]
     extra = {} if family in ("llama", "qwen2", "mistral") else {"head_dim": 16}
     torch.manual_seed(seed)
     config = getattr(transformers, config_class)(**TINY, **extra, pad_token_id=0)

@@ -7,6 +7,7 @@ PostgreSQL case skips, with the reason, only when no server answers.
 Run as `python -m tests.conftest_registry promote ...`, this file is also the worker
 process of the race and crash tests.
 """
+
 from __future__ import annotations
 
 import functools
@@ -110,8 +111,9 @@ def make_candidates(ledger, store, backbone: str, skill: str = "gsm8k", seeds=(0
 
     backbone_id = r.ensure_backbone(ledger, backbone, "rev-1")
     atlas_bytes = f"atlas of {backbone}".encode()
-    atlas = r.record_atlas(ledger, r.sha256_bytes(atlas_bytes + b"#key"), backbone_id, 2, {"rank": 4},
-                           store.put_bytes(atlas_bytes))
+    atlas = r.record_atlas(
+        ledger, r.sha256_bytes(atlas_bytes + b"#key"), backbone_id, 2, {"rank": 4}, store.put_bytes(atlas_bytes)
+    )
     versions = []
     for seed in seeds:
         run_id = r.start_training_run(ledger, backbone_id, skill, "atlas", seed, {"lr": 0.001}, atlas_id=atlas.id)
@@ -125,9 +127,14 @@ def gate_pass(ledger, version_id: int, against: Optional[int]):
     """Record a passing gate decision of `version_id` measured against champion `against`."""
     import registry as r
 
-    return r.record_gate_decision(ledger, version_id, "test-policy", {"max_kl": 0.05},
-                                  [r.GateCheckRecord("kl_vs_release", 0.05, 0.01, True)],
-                                  release_version_id=against)
+    return r.record_gate_decision(
+        ledger,
+        version_id,
+        "test-policy",
+        {"max_kl": 0.05},
+        [r.GateCheckRecord("kl_vs_release", 0.05, 0.01, True)],
+        release_version_id=against,
+    )
 
 
 # -- worker process of the race and crash tests -------------------------------------------
@@ -135,7 +142,6 @@ def gate_pass(ledger, version_id: int, against: Optional[int]):
 
 def _worker(args: dict) -> None:
     import registry as r
-    import registry.promotion as promotion
 
     ledger = r.Ledger(args["ledger_url"])
     bridge = r.MlflowBridge(r.MlflowConfig(args["tracking_uri"], args["artifact_root"]))
@@ -214,8 +220,9 @@ def _pg_lock_waiters(url: str) -> int:
 
     u = make_url(url)
     with psycopg.connect(host=u.host, port=u.port, dbname=u.database, user=u.username, autocommit=True) as conn:
-        return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                            "AND wait_event_type = 'Lock'").fetchone()[0]
+        return conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        ).fetchone()[0]
 
 
 def run_worker(args: dict, background: bool = False):

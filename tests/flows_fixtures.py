@@ -4,9 +4,10 @@ The tiny cycle runs on a seeded random 4-layer Llama ('tiny-llama') with a byte-
 tokenizer, real MBPP / GSM8K / CSQA rows (a handful of each) and the `response-match`
 target scorer, so a whole cycle takes seconds and needs no EvalPlus.
 
-`prefect_harness` is session-scoped: import it into a test module to use it (one temporary
+`prefect_harness` is session-scoped: name it as a test argument to use it (one temporary
 Prefect server per test session).
 """
+
 from __future__ import annotations
 
 import os
@@ -16,21 +17,40 @@ import pytest
 import yaml
 
 TINY_CONFIG = {
-    "name": "tiny", "backbone": "tiny-llama", "dtype": "float32", "skill": "tiny-code", "layer": 2,
+    "name": "tiny",
+    "backbone": "tiny-llama",
+    "dtype": "float32",
+    "skill": "tiny-code",
+    "layer": 2,
     "data": {"source": "mbpp", "train_limit": 8, "val_limit": 4},
     "target": {"scorer": "response-match", "options": {"limit": 4, "threshold": 0.5}},
-    "retained": {"domains": ["gsm8k", "csqa"], "kl_contexts": 8, "kl_max_tokens": 128, "gsm8k_questions": 4,
-                 "csqa_questions": 6, "max_new_tokens": 4, "batch_size": 4, "replay_examples": 8},
+    "retained": {
+        "domains": ["gsm8k", "csqa"],
+        "kl_contexts": 8,
+        "kl_max_tokens": 128,
+        "gsm8k_questions": 4,
+        "csqa_questions": 6,
+        "max_new_tokens": 4,
+        "batch_size": 4,
+        "replay_examples": 8,
+    },
     "atlas": {"num_vectors": 64, "charts": 4, "rank": 4},
     "train": {"epochs": 2, "lr": 1.0e-2, "batch_size": 4, "max_length": 512, "on_bad_example": "truncate"},
 }
 
 LOOSE = {"gsm8k": 50.0, "csqa": 50.0}
 PASSING_POLICY = {
-    "name": "tiny-pass", "candidates": {"methods": ["atlas", "weight-lora"], "seeds": [0]},
-    "min_target_gain": 0, "max_kl_vs_champion": LOOSE, "max_kl_vs_base": LOOSE,
-    "nfr": {"bound": "wilson", "confidence": 0.95, "max_vs_champion": {"gsm8k": 1.0, "csqa": 1.0},
-            "max_vs_base": {"gsm8k": 1.0, "csqa": 1.0}},
+    "name": "tiny-pass",
+    "candidates": {"methods": ["atlas", "weight-lora"], "seeds": [0]},
+    "min_target_gain": 0,
+    "max_kl_vs_champion": LOOSE,
+    "max_kl_vs_base": LOOSE,
+    "nfr": {
+        "bound": "wilson",
+        "confidence": 0.95,
+        "max_vs_champion": {"gsm8k": 1.0, "csqa": 1.0},
+        "max_vs_base": {"gsm8k": 1.0, "csqa": 1.0},
+    },
     "max_csqa_choice_churn": 1.0,
 }
 # A gain of all four target problems over the champion: allowed (a policy asking for more than
@@ -45,8 +65,10 @@ def write_yaml(path: Path, data: dict) -> str:
 
 def tiny_files(folder: Path, policy: dict = PASSING_POLICY, **config_changes) -> tuple[str, str]:
     folder.mkdir(parents=True, exist_ok=True)
-    return (write_yaml(folder / "update.yaml", TINY_CONFIG | config_changes),
-            write_yaml(folder / f"{policy['name']}.yaml", policy))
+    return (
+        write_yaml(folder / "update.yaml", TINY_CONFIG | config_changes),
+        write_yaml(folder / f"{policy['name']}.yaml", policy),
+    )
 
 
 _HARNESS: list = []
@@ -99,9 +121,16 @@ def ledger_counts(state: Path) -> dict[str, int]:
     from registry import default_ledger_url, init_db
     from registry import models as m
 
-    tables = {"atlases": m.Atlas, "training_runs": m.TrainingRun, "checkpoints": m.Checkpoint,
-              "versions": m.ModelVersion, "evaluations": m.Evaluation, "answers": m.Answer,
-              "gate_decisions": m.GateDecision, "releases": m.Release}
+    tables = {
+        "atlases": m.Atlas,
+        "training_runs": m.TrainingRun,
+        "checkpoints": m.Checkpoint,
+        "versions": m.ModelVersion,
+        "evaluations": m.Evaluation,
+        "answers": m.Answer,
+        "gate_decisions": m.GateDecision,
+        "releases": m.Release,
+    }
     with init_db(default_ledger_url(state)) as ledger, ledger.transaction() as s:
         return {name: s.scalar(select(func.count()).select_from(table)) for name, table in tables.items()}
 
@@ -114,8 +143,9 @@ def stored_metrics_from(monkeypatch, extra: dict):
     import registry
     from flows import evaluate, runtime
 
-    ev = SimpleNamespace(id=3, release_version_id=1, kl=[], churn=[], target_solved=2, target_total=4,
-                         csqa_choice_churn=None)
+    ev = SimpleNamespace(
+        id=3, release_version_id=1, kl=[], churn=[], target_solved=2, target_total=4, csqa_choice_churn=None
+    )
     monkeypatch.setattr(runtime, "ledger", lambda: None)
     monkeypatch.setattr(registry, "latest_evaluation", lambda ledger, version_id: ev)
     monkeypatch.setattr(registry, "evaluation_extra", lambda ledger, evaluation_id: extra)

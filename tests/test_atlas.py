@@ -1,4 +1,5 @@
 """Atlas fitting (k-means charts + local PCA), variants, and its verified file format."""
+
 import json
 
 import pytest
@@ -50,7 +51,9 @@ def test_bases_span_the_local_principal_directions():
     g = torch.Generator().manual_seed(0)
     d = 30
     direction = torch.linalg.qr(torch.randn(d, 2, generator=g))[0]  # the cluster varies along 2 directions
-    x = torch.randn(200, 2, generator=g) * torch.tensor([5.0, 3.0]) @ direction.T + 0.01 * torch.randn(200, d, generator=g)
+    x = torch.randn(200, 2, generator=g) * torch.tensor([5.0, 3.0]) @ direction.T + 0.01 * torch.randn(
+        200, d, generator=g
+    )
     atlas = fit_atlas(x, AtlasConfig(num_charts=1, rank=2, num_vectors=200))
     proj = atlas.bases[0] @ atlas.bases[0].T
     torch.testing.assert_close(proj @ direction, direction, atol=1e-3, rtol=0)
@@ -86,7 +89,7 @@ def test_equal_support_uses_nearest_vectors():
     x, _ = clustered(per=40, seed=4)
     atlas = fit_atlas(x, AtlasConfig(num_charts=6, rank=3, equal_support=25, num_vectors=len(x)))
     c = 0
-    nearest = torch.cdist(atlas.centers[c:c + 1], x)[0].topk(25, largest=False).indices
+    nearest = torch.cdist(atlas.centers[c : c + 1], x)[0].topk(25, largest=False).indices
     offsets = x[nearest] - atlas.centers[c]
     _, _, vh = torch.linalg.svd(offsets, full_matrices=False)
     torch.testing.assert_close(atlas.bases[c] @ atlas.bases[c].T, vh[:3].T @ vh[:3], atol=1e-4, rtol=0)
@@ -102,8 +105,11 @@ def test_small_chart_gets_a_completed_basis():
 
 def test_save_load_round_trip_and_manifest(tmp_path):
     x, _ = clustered()
-    atlas = fit_atlas(x, AtlasConfig(num_charts=6, rank=3, num_vectors=len(x)),
-                      meta={"backbone": "tiny", "layer": 2, "data": {"gsm8k/test.jsonl": "abc"}})
+    atlas = fit_atlas(
+        x,
+        AtlasConfig(num_charts=6, rank=3, num_vectors=len(x)),
+        meta={"backbone": "tiny", "layer": 2, "data": {"gsm8k/test.jsonl": "abc"}},
+    )
     manifest = atlas.save(tmp_path / "atlas.safetensors")
     loaded = Atlas.load(tmp_path / "atlas.safetensors")
     for name in ("centers", "bases", "sigma", "calibration"):

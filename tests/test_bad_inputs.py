@@ -6,6 +6,7 @@ every wrong value its declared type admits, see ALLOWED), skill and retained-dom
 stored tensor files and their manifests (truncated, altered, mismatched), and a hash the
 store does not hold (a ledger row whose artifact is gone).
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,7 +26,6 @@ from atlas_core.errors import InputError
 from atlas_core.typed_config import ConfigError, build
 from flows.config import load_update_config
 from flows.policy import load_policy
-from tests.conftest_registry import ledger, ledger_url, store  # noqa: F401
 from tests.flows_fixtures import PASSING_POLICY, TINY_CONFIG, write_yaml
 
 # ------------------------------------------------------------------------------ the field fuzz
@@ -46,14 +46,26 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("policy", "name", "string"): "a label recorded with each gate decision (with the policy's hash): any text",
     ("update", "skill", "string"): "the skill a release teaches: any name of letters, digits, '_', '.', '-'",
     ("update", "line", "string"): "a new line is created on first use: any name of letters, digits, '_', '.', '-'",
-    ("update", "retained.domains[*].name", "string"): "a JSONL domain's own name: any name of letters, digits, '_', '.', '-'",
-    ("domain", "retained.domains[0].name", "string"): "a JSONL domain's own name: any name of letters, digits, '_', '.', '-'",
+    (
+        "update",
+        "retained.domains[*].name",
+        "string",
+    ): "a JSONL domain's own name: any name of letters, digits, '_', '.', '-'",
+    (
+        "domain",
+        "retained.domains[0].name",
+        "string",
+    ): "a JSONL domain's own name: any name of letters, digits, '_', '.', '-'",
     # Names and paths resolved only when the model or the adapter is built (they need the model,
     # the hub cache or files a cycle writes later); '' is refused at load.
     ("update", "backbone", "string"): "an alias, a local folder or a cached hub id, resolved when the model loads",
     ("run", "backbone", "string"): "an alias, a local folder or a cached hub id, resolved when the model loads",
     ("run", "atlas", "string"): "read when the adapter is built; a cycle writes its own atlas path here",
-    ("run", "lora.target", "string"): "a projection inside layer l, checked against the model when the adapter is built",
+    (
+        "run",
+        "lora.target",
+        "string",
+    ): "a projection inside layer l, checked against the model when the adapter is built",
     ("run", "lora.stats", "string"): "a retained-statistics file, read when the adapter is built",
     ("run", "lora.o_lora.past_files[*]", "string"): "weight-adapter files, read when the adapter is built",
     ("run", "lora.o_lora.past_files", "empty-list"): "the default: only past 'files' needs files (and refuses [])",
@@ -62,7 +74,11 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("update", "atlas.seed", "zero"): "a seed >= 0",
     ("policy", "candidates.seeds[*]", "zero"): "a seed in [0, 2**31)",
     ("run", "train.seed", "zero"): "a seed >= 0",
-    ("run", "layer", "zero"): "a layer index >= 0 (an update config asks for >= 1: retained KL caches the layers below)",
+    (
+        "run",
+        "layer",
+        "zero",
+    ): "a layer index >= 0 (an update config asks for >= 1: retained KL caches the layers below)",
     ("update", "train.checkpoint_every_steps", "zero"): "0: checkpoints at epoch ends only",
     ("run", "train.checkpoint_every_steps", "zero"): "0: checkpoints at epoch ends only",
     ("run", "train.warmup_steps", "zero"): "0: no warmup (the default)",
@@ -77,12 +93,20 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("policy", "max_kl_vs_base.*", "zero"): "a KL limit >= 0 (0: the outputs must not move)",
     ("policy", "max_kl_tail_vs_champion.*.*", "zero"): "a KL limit >= 0",
     ("policy", "max_kl_tail_vs_base.*.*", "zero"): "a KL limit >= 0",
-    ("policy", "no_regression.*.tolerance", "zero"): "a bound >= 0 (pass/fail: no n can prove it, refused once n is known)",
+    (
+        "policy",
+        "no_regression.*.tolerance",
+        "zero",
+    ): "a bound >= 0 (pass/fail: no n can prove it, refused once n is known)",
     ("policy", "max_csqa_choice_churn", "zero"): "a share in [0, 1]",
     # Empty mappings that mean 'none'.
     ("policy", "max_kl_tail_vs_champion", "empty-mapping"): "the default: tails not checked",
     ("policy", "max_kl_tail_vs_base", "empty-mapping"): "the default: tails not checked",
-    ("policy", "no_regression", "empty-mapping"): "valid until the line has a released skill (require_released, per cycle)",
+    (
+        "policy",
+        "no_regression",
+        "empty-mapping",
+    ): "valid until the line has a released skill (require_released, per cycle)",
     # Huge numbers where the range is open above.
     ("update", "train.lr", "huge"): _UNBOUNDED,
     ("update", "target.options.solved_below", "huge"): _UNBOUNDED + " (every problem counts as solved)",
@@ -141,7 +165,7 @@ def probes(hint) -> list[tuple[str, object]]:
     if "bool" not in kinds:
         out.append(("bool", True))
     if not optional and "dataclass" not in kinds:  # a section left empty (`data:`, every line commented out) is
-        out.append(("null", None))                 # YAML null, and means its defaults (typed_config.build)
+        out.append(("null", None))  # YAML null, and means its defaults (typed_config.build)
     out += [("list", [1, "x"]), ("mapping", {"no_such_key": 1})]
     if kinds & {"list", "tuple"}:
         out.append(("empty-list", []))
@@ -151,8 +175,16 @@ def probes(hint) -> list[tuple[str, object]]:
         out.append(("empty", ""))
     if kinds & {"int", "float"}:
         integer = "float" not in kinds
-        out += [("zero", 0), ("negative", -3 if integer else -0.5), ("huge", HUGE_INT if integer else HUGE_FLOAT),
-                ("nan", math.nan), ("inf", math.inf), ("-inf", -math.inf), ("'nan'", "nan"), ("'inf'", "inf")]
+        out += [
+            ("zero", 0),
+            ("negative", -3 if integer else -0.5),
+            ("huge", HUGE_INT if integer else HUGE_FLOAT),
+            ("nan", math.nan),
+            ("inf", math.inf),
+            ("-inf", -math.inf),
+            ("'nan'", "nan"),
+            ("'inf'", "inf"),
+        ]
     return out
 
 
@@ -217,13 +249,18 @@ class _Files:
 
     def __init__(self, folder: Path):
         folder.mkdir(parents=True, exist_ok=True)
-        self.skill, self.skill_val, self.domain, self.answers = (str(folder / n) for n in (
-            "skill.jsonl", "skill-val.jsonl", "domain.jsonl", "answers.jsonl"))
-        rows = {self.skill: [{"id": f"s{i}", "prompt": f"Task {i}", "response": f"Answer {i}"} for i in range(10)],
-                self.skill_val: [{"id": f"v{i}", "prompt": f"Held {i}", "response": f"Answer {i}"} for i in range(4)],
-                self.domain: [{"id": f"d{i}", "prompt": f"Question {i}?", "reference": f"Reply {i}.", "answer": str(i)}
-                              for i in range(8)],
-                self.answers: [{"id": f"a{i}", "prompt": f"Say {i}", "answer": str(i)} for i in range(4)]}
+        self.skill, self.skill_val, self.domain, self.answers = (
+            str(folder / n) for n in ("skill.jsonl", "skill-val.jsonl", "domain.jsonl", "answers.jsonl")
+        )
+        rows = {
+            self.skill: [{"id": f"s{i}", "prompt": f"Task {i}", "response": f"Answer {i}"} for i in range(10)],
+            self.skill_val: [{"id": f"v{i}", "prompt": f"Held {i}", "response": f"Answer {i}"} for i in range(4)],
+            self.domain: [
+                {"id": f"d{i}", "prompt": f"Question {i}?", "reference": f"Reply {i}.", "answer": str(i)}
+                for i in range(8)
+            ],
+            self.answers: [{"id": f"a{i}", "prompt": f"Say {i}", "answer": str(i)} for i in range(4)],
+        }
         for path, lines in rows.items():
             Path(path).write_text("".join(json.dumps(r) + "\n" for r in lines))
 
@@ -237,14 +274,22 @@ def _update_kind(files: _Files):
     t = TINY_CONFIG
     domains = ["gsm8k", "csqa", {"name": "support", "file": files.domain, "gate_rows": 3, "checker": "exact"}]
     bases = [("tiny", t), ("tiny, a JSONL domain", t | {"retained": t["retained"] | {"domains": domains}})]
-    for scorer, options in (("mbpp-plus", {"limit": 4}), ("gsm8k-accuracy", {"limit": 4}), ("csqa-choice", {"limit": 4}),
-                            ("exact-match", {"file": files.answers, "limit": 2}),
-                            ("reference-nll", {"source": "gsm8k", "split": "test", "limit": 4}),
-                            ("response-match", {"source": files.skill, "limit": 2})):
+    for scorer, options in (
+        ("mbpp-plus", {"limit": 4}),
+        ("gsm8k-accuracy", {"limit": 4}),
+        ("csqa-choice", {"limit": 4}),
+        ("exact-match", {"file": files.answers, "limit": 2}),
+        ("reference-nll", {"source": "gsm8k", "split": "test", "limit": 4}),
+        ("response-match", {"source": files.skill, "limit": 2}),
+    ):
         bases.append((f"tiny, {scorer}", t | {"target": {"scorer": scorer, "options": options}}))
-    bases += [("tiny, a JSONL skill", t | {"data": {"source": files.skill, "holdout": 0.25, "train_limit": 8}}),
-              ("tiny, a JSONL skill and validation file",
-               t | {"data": {"source": files.skill, "val_source": files.skill_val, "holdout": 0.0}})]
+    bases += [
+        ("tiny, a JSONL skill", t | {"data": {"source": files.skill, "holdout": 0.25, "train_limit": 8}}),
+        (
+            "tiny, a JSONL skill and validation file",
+            t | {"data": {"source": files.skill, "val_source": files.skill_val, "holdout": 0.0}},
+        ),
+    ]
     bases += [(f.name, yaml.safe_load(f.read_text())) for f in sorted(Path("configs/update").glob("*.yaml"))]
 
     def full(doc):
@@ -252,8 +297,10 @@ def _update_kind(files: _Files):
         cls = BUILTIN_SCORERS.get(out["target"]["scorer"])
         if cls is not None:
             out["target"]["options"] = _plain(dataclasses.asdict(parse_options(cls.Options, out["target"]["options"])))
-        out["retained"]["domains"] = [d if isinstance(d, str) else _plain(dataclasses.asdict(RetainedDomain(**d)))
-                                      for d in out["retained"]["domains"]]
+        out["retained"]["domains"] = [
+            d if isinstance(d, str) else _plain(dataclasses.asdict(RetainedDomain(**d)))
+            for d in out["retained"]["domains"]
+        ]
         return out
 
     def special(path, value, hint, root):
@@ -270,16 +317,23 @@ def _policy_kind(files: _Files):
     from flows.config import UpdateConfig
     from flows.policy import ReleasePolicy, load_cycle_policy
 
-    tails = {"max_kl_tail_vs_champion": {"csqa": {"p95": 1.0, "max": 5.0}, "released": {"p99": 1.0}},
-             "max_kl_tail_vs_base": {"gsm8k": {"max": 5.0}},
-             "no_regression": {"released": {"tolerance": 0.5, "confidence": 0.9, "min_n": 4}}}
+    tails = {
+        "max_kl_tail_vs_champion": {"csqa": {"p95": 1.0, "max": 5.0}, "released": {"p99": 1.0}},
+        "max_kl_tail_vs_base": {"gsm8k": {"max": 5.0}},
+        "no_regression": {"released": {"tolerance": 0.5, "confidence": 0.9, "min_n": 4}},
+    }
     pairs = [("tiny-pass", PASSING_POLICY | tails, build(UpdateConfig, TINY_CONFIG))]
     for policy, config in (("default", "default"), ("ci", "ci"), ("gsm8k-format", "gsm8k-format"), ("strict", "gpu")):
-        pairs.append((f"{policy}.yaml", yaml.safe_load(Path(f"configs/policy/{policy}.yaml").read_text()),
-                      load_update_config(f"configs/update/{config}.yaml")))
+        pairs.append(
+            (
+                f"{policy}.yaml",
+                yaml.safe_load(Path(f"configs/policy/{policy}.yaml").read_text()),
+                load_update_config(f"configs/update/{config}.yaml"),
+            )
+        )
     configs = {name: config for name, _, config in pairs}
     bases = [(name, _plain(dataclasses.asdict(build(ReleasePolicy, doc)))) for name, doc, _ in pairs]
-    loader = lambda path, base, doc: load_cycle_policy(path, configs[base])  # noqa: E731
+    loader = lambda path, base, doc: load_cycle_policy(path, configs[base])
     return ReleasePolicy, bases, lambda path, value, hint, root: hint, loader
 
 
@@ -287,10 +341,17 @@ def _run_kind(files: _Files):
     from atlas_core.train.config import RunConfig, load_run_config
 
     docs = [(f.name, yaml.safe_load(f.read_text())) for f in sorted(Path("configs/train").glob("*.yaml"))]
-    docs += [("o-lora, past files", {"adapter": "weight-lora", "lora": {"method": "o-lora", "o_lora": {
-                 "past": "files", "past_files": ["earlier.safetensors"]}}}),
-             ("clora, k", {"adapter": "weight-lora", "lora": {"method": "clora", "clora": {"k": 8}}}),
-             ("plain, calibrated scale", {"adapter": "plain", "residual": {"scale": "calibrated"}})]
+    docs += [
+        (
+            "o-lora, past files",
+            {
+                "adapter": "weight-lora",
+                "lora": {"method": "o-lora", "o_lora": {"past": "files", "past_files": ["earlier.safetensors"]}},
+            },
+        ),
+        ("clora, k", {"adapter": "weight-lora", "lora": {"method": "clora", "clora": {"k": 8}}}),
+        ("plain, calibrated scale", {"adapter": "plain", "residual": {"scale": "calibrated"}}),
+    ]
     bases = [(name, _plain(dataclasses.asdict(build(RunConfig, doc)))) for name, doc in docs]
     return RunConfig, bases, lambda path, value, hint, root: hint, lambda path, base, doc: load_run_config(path)
 
@@ -298,11 +359,19 @@ def _run_kind(files: _Files):
 def _domain_kind(files: _Files):
     from evaluation.domains import RetainedDomain, validate_domains
 
-    docs = [("a JSONL domain", {"name": "support", "file": files.domain, "gate_rows": 3, "checker": "exact"}),
-            ("a JSONL domain, default rows", {"name": "support.v2", "file": files.domain, "checker": "number"}),
-            ("built-in by name", "gsm8k"), ("built-in as a mapping", {"name": "csqa"})]
+    docs = [
+        ("a JSONL domain", {"name": "support", "file": files.domain, "gate_rows": 3, "checker": "exact"}),
+        ("a JSONL domain, default rows", {"name": "support.v2", "file": files.domain, "checker": "number"}),
+        ("built-in by name", "gsm8k"),
+        ("built-in as a mapping", {"name": "csqa"}),
+    ]
     bases = [(n, d if isinstance(d, str) else _plain(dataclasses.asdict(RetainedDomain(**d)))) for n, d in docs]
-    return str | RetainedDomain, bases, lambda path, value, hint, root: hint, lambda path, base, doc: validate_domains([doc])
+    return (
+        str | RetainedDomain,
+        bases,
+        lambda path, value, hint, root: hint,
+        lambda path, base, doc: validate_domains([doc]),
+    )
 
 
 KINDS = {"update": _update_kind, "policy": _policy_kind, "run": _run_kind, "domain": _domain_kind}
@@ -352,9 +421,11 @@ def test_every_leaf_of_every_config_kind_refuses_every_wrong_value_by_name(kind,
                     message = str(e)
                     named = re.search(re.escape(name) + r"(?![\w-])", message)
                     if not named or (kind != "domain" and str(file) not in message):
-                        failures.append(f"{base_name}: {name} = {label} ({wrong!r}) refused without naming "
-                                        f"{name} and the file: {message}")
-                except Exception as e:  # noqa: BLE001 (anything else is a bug: no traceback-free message)
+                        failures.append(
+                            f"{base_name}: {name} = {label} ({wrong!r}) refused without naming "
+                            f"{name} and the file: {message}"
+                        )
+                except Exception as e:
                     failures.append(f"{base_name}: {name} = {label} ({wrong!r}) raised {type(e).__name__}: {e}")
                 else:
                     key = _allowed(kind, name, label)
@@ -392,10 +463,18 @@ def test_every_broken_jsonl_line_is_named_by_file_and_line(loader_name, tmp_path
     from evaluation import userdata
 
     loader = getattr(userdata, loader_name)
-    good = ({"id": "a", "prompt": "p", "response": "r"} if loader_name == "load_skill_jsonl"
-            else {"id": "a", "prompt": "p", "reference": "r"})
-    broken = ['{"id": "b", "prompt": ', "[1, 2]", json.dumps({k: v for k, v in good.items() if k != "prompt"}),
-              json.dumps(good | {"prompt": 7}), json.dumps(good)]  # the last: a duplicate id
+    good = (
+        {"id": "a", "prompt": "p", "response": "r"}
+        if loader_name == "load_skill_jsonl"
+        else {"id": "a", "prompt": "p", "reference": "r"}
+    )
+    broken = [
+        '{"id": "b", "prompt": ',
+        "[1, 2]",
+        json.dumps({k: v for k, v in good.items() if k != "prompt"}),
+        json.dumps(good | {"prompt": 7}),
+        json.dumps(good),
+    ]  # the last: a duplicate id
     for line in broken:
         path = tmp_path / "set.jsonl"
         path.write_text(json.dumps(good) + "\n" + line + "\n")
@@ -409,15 +488,21 @@ def test_stored_tensor_files_refuse_truncation_alteration_and_a_foreign_manifest
     path = tmp_path / "adapter.safetensors"
     save_verified(path, {"B": torch.randn(8, 4)}, {"kind": "adapter"})
     original, manifest = path.read_bytes(), path.with_suffix(".json").read_text()
-    cases = {"truncated": original[: len(original) // 2], "flipped": original[:-1] + bytes([original[-1] ^ 1]),
-             "empty": b""}
+    cases = {
+        "truncated": original[: len(original) // 2],
+        "flipped": original[:-1] + bytes([original[-1] ^ 1]),
+        "empty": b"",
+    }
     for name, data in cases.items():
         path.write_bytes(data)
         with pytest.raises(IntegrityError, match="adapter.safetensors"):
             load_verified(path)
     path.write_bytes(original)
-    for name, text in {"not json": manifest[:-5], "other sha": manifest.replace('"sha256": "', '"sha256": "0'),
-                       "no sha": json.dumps({k: v for k, v in json.loads(manifest).items() if k != "sha256"})}.items():
+    for name, text in {
+        "not json": manifest[:-5],
+        "other sha": manifest.replace('"sha256": "', '"sha256": "0'),
+        "no sha": json.dumps({k: v for k, v in json.loads(manifest).items() if k != "sha256"}),
+    }.items():
         path.with_suffix(".json").write_text(text)
         with pytest.raises(IntegrityError, match="adapter"):
             load_verified(path)
@@ -456,13 +541,15 @@ def test_a_policy_file_with_a_bad_threshold_names_the_domain(tmp_path):
     with pytest.raises(ConfigError, match=r"max_kl_vs_champion.*gsm8k"):
         load_policy(write_yaml(tmp_path / "p.yaml", policy), ["gsm8k", "csqa"])
     with pytest.raises(ConfigError, match=r"csqa"):  # a watched domain without a threshold
-        load_policy(write_yaml(tmp_path / "q.yaml", PASSING_POLICY | {"max_kl_vs_base": {"gsm8k": 0.1}}),
-                    ["gsm8k", "csqa"])
+        load_policy(
+            write_yaml(tmp_path / "q.yaml", PASSING_POLICY | {"max_kl_vs_base": {"gsm8k": 0.1}}), ["gsm8k", "csqa"]
+        )
     assert yaml.safe_load(Path(tmp_path / "p.yaml").read_text())["max_kl_vs_champion"]["gsm8k"] == "low"
 
 
-def test_a_ledger_version_whose_adapter_manifest_was_never_recorded_is_named(ledger, ledger_url, store, tmp_path,
-                                                                              monkeypatch):
+def test_a_ledger_version_whose_adapter_manifest_was_never_recorded_is_named(
+    ledger, ledger_url, store, tmp_path, monkeypatch
+):
     """A corrupted ledger row reference: the version's checkpoint carries no manifest hash."""
     from flows import runtime
     from registry import LedgerError

@@ -1,5 +1,6 @@
 """Every method's trainable count is the spec's budget at the configured rank (BASELINES.md table),
 on a square o_proj and on one with d_in != d_out; the trainer's summary prints rank and count."""
+
 import pytest
 
 from atlas_core.train.baselines.toplora import toplora_rank
@@ -30,7 +31,13 @@ def test_trainable_count_is_the_spec_budget(method, shape):
     if method != "toplora":  # TopLoRA's gate lives beside the model, not inside it
         assert sum(p.numel() for p in trainable) == count
     b = adapter.budget()
-    assert b == {"method": b["method"], "rank": rank, "budget_rank": r, "trainable": count, "budget": r * (d_in + d_out)}
+    assert b == {
+        "method": b["method"],
+        "rank": rank,
+        "budget_rank": r,
+        "trainable": count,
+        "budget": r * (d_in + d_out),
+    }
     if shape == "square" and method != "toplora":
         assert count == 2 * 64 * r  # 2dr
     adapter.remove()
@@ -41,5 +48,7 @@ def test_summary_prints_rank_and_count(tmp_path, capsys):
     adapter, rc = build(model, "lora-null-v2", rank=4)
     summary = train_steps(model, adapter, rc, tmp_path)
     assert summary.budget["trainable"] == 64 * 8
-    assert "adapter lora-null: rank 8 (budget rank 4), trainable 512 (budget r (d_in + d_out) = 512)" in summary.format()
+    assert (
+        "adapter lora-null: rank 8 (budget rank 4), trainable 512 (budget r (d_in + d_out) = 512)" in summary.format()
+    )
     adapter.remove()

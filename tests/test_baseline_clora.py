@@ -1,4 +1,5 @@
 """CLoRA: R = 1/2 ||A P_A||^2 + 1/2 ||B^T P_B||^2 with fixed random orthonormal P_A, P_B, lambda = 1."""
+
 import pytest
 import torch
 

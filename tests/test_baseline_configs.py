@@ -1,5 +1,6 @@
 """Every baseline's file in configs/train/ loads and builds its method (the hub's files are what
 policies and the reproduction runner name)."""
+
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,11 +12,16 @@ from tests.baseline_fixtures import LAYER, stats_for, tiny
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "train"
 EXPECTED = {  # file -> (lora.method, objective, what the file fixes)
-    "lora-null": ("lora-null", "ce", {"mode": "v1"}), "lora-null-v2": ("lora-null", "ce", {"mode": "v2"}),
-    "oplora-k16": ("oplora", "ce", {"k": 16}), "oplora-k128": ("oplora", "ce", {"k": 128}),
-    "o-lora": ("o-lora", "ce", {"lam": 0.5}), "corda-kpm": ("corda-kpm", "ce", {}),
-    "clora": ("clora", "ce", {"lam": 1.0}), "toplora": ("toplora", "ce", {}),
-    "stm": ("weight-lora", "stm", {}), "talr": ("weight-lora", "talr", {}),
+    "lora-null": ("lora-null", "ce", {"mode": "v1"}),
+    "lora-null-v2": ("lora-null", "ce", {"mode": "v2"}),
+    "oplora-k16": ("oplora", "ce", {"k": 16}),
+    "oplora-k128": ("oplora", "ce", {"k": 128}),
+    "o-lora": ("o-lora", "ce", {"lam": 0.5}),
+    "corda-kpm": ("corda-kpm", "ce", {}),
+    "clora": ("clora", "ce", {"lam": 1.0}),
+    "toplora": ("toplora", "ce", {}),
+    "stm": ("weight-lora", "stm", {}),
+    "talr": ("weight-lora", "talr", {}),
 }
 
 
@@ -23,8 +29,13 @@ EXPECTED = {  # file -> (lora.method, objective, what the file fixes)
 def test_config_loads_and_builds_its_method(name):
     rc = load_run_config(CONFIGS / f"{name}.yaml")
     method, objective, fixed = EXPECTED[name]
-    assert (rc.adapter, rc.lora.method, rc.train.objective.kind, rc.rank, rc.layer) == \
-        ("weight-lora", method, objective, 16, 15)
+    assert (rc.adapter, rc.lora.method, rc.train.objective.kind, rc.rank, rc.layer) == (
+        "weight-lora",
+        method,
+        objective,
+        16,
+        15,
+    )
     small = replace(rc, layer=LAYER, rank=4)
     if name == "oplora-k128":  # k = 128 needs d >= 128: the d = 64 model refuses it by name
         with pytest.raises(ValueError, match="oplora.k"):

@@ -1,5 +1,6 @@
 """CorDA-KPM through PEFT: the base model at init, the init PEFT itself computes from the retained
 contexts (our stored covariance is PEFT's), and the original weight kept bit-identical."""
+
 import torch
 
 from atlas_core.train.baselines.corda import CordaKPM
@@ -23,8 +24,14 @@ def peft_native(model, seqs, rank, covariance_file=None):
     from peft.tuners.lora.corda import preprocess_corda
 
     corda = CordaConfig(corda_method="kpm", verbose=False, covariance_file=covariance_file)
-    config = LoraConfig(r=rank, lora_alpha=float(rank), target_modules=[MODULE], lora_dropout=0.0,
-                        init_lora_weights="corda", corda_config=corda)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=float(rank),
+        target_modules=[MODULE],
+        lora_dropout=0.0,
+        init_lora_weights="corda",
+        corda_config=corda,
+    )
 
     def run_model():
         for s in seqs:
@@ -33,7 +40,11 @@ def peft_native(model, seqs, rank, covariance_file=None):
     preprocess_corda(model, config, run_model=run_model)
     inject_adapter_in_model(config, model)
     layer = model.get_submodule(MODULE)
-    return layer.lora_A["default"].weight.detach(), layer.lora_B["default"].weight.detach(), layer.base_layer.weight.detach()
+    return (
+        layer.lora_A["default"].weight.detach(),
+        layer.lora_B["default"].weight.detach(),
+        layer.base_layer.weight.detach(),
+    )
 
 
 def test_adapted_model_equals_base_at_init():

@@ -1,5 +1,6 @@
 """LoRA-Null: the null-space init of the retained covariance, the base model unchanged at init,
 v1 (A and B train) and v2 (A frozen, rank 2r)."""
+
 import pytest
 import torch
 
@@ -98,4 +99,5 @@ def test_wrong_statistics_are_refused():
     with pytest.raises(ValueError, match="needs the retained statistics"):
         from atlas_core.train import build_adapter
         from tests.baseline_fixtures import run_config
+
         build_adapter(run_config("lora-null"), model)

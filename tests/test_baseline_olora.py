@@ -1,5 +1,6 @@
 """O-LoRA: the regulariser lambda1 * sum |A_past A^T|, its gradient, A_past from the retained
 covariance, and the trainer adding it once per optimizer step."""
+
 import json
 
 import pytest
@@ -49,6 +50,7 @@ def test_past_subspace_is_the_top_r_eigenvectors_of_C():
 
 def test_trainer_adds_the_penalty_once_per_step(tmp_path):
     """Step 1's loss = CE + penalty at the init (the train loss the trainer records)."""
+
     def first_loss(summary) -> float:
         return json.loads(open(summary.checkpoints[-1] + "/state.json").read())["train_losses"][0]
 

@@ -1,4 +1,5 @@
 """OPLoRA: after real training steps, W + Delta W keeps W's top-k singular triples exactly."""
+
 import pytest
 import torch
 

@@ -1,5 +1,6 @@
 """Retained statistics: C = X^T X of layer l's o_proj inputs (padding excluded), the per-sequence
 scaled forms, and content-addressed storage: once per (backbone, layer, retained data)."""
+
 import pytest
 import torch
 
@@ -11,7 +12,9 @@ from tests.baseline_fixtures import LAYER, flip_byte, retained_ids, tiny
 
 def inputs_one_by_one(model, seqs):
     seen = []
-    h = decoder_layers(model)[LAYER].self_attn.o_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0][0].double()))
+    h = decoder_layers(model)[LAYER].self_attn.o_proj.register_forward_pre_hook(
+        lambda m, a: seen.append(a[0][0].double())
+    )
     with torch.no_grad():
         for s in seqs:
             model(input_ids=s[None])
@@ -39,13 +42,17 @@ def test_stored_once_per_backbone_layer_and_data(tmp_path, monkeypatch):
     first = retained_stats(model, LAYER, seqs, cache_dir=tmp_path)
     assert len(list(tmp_path.glob("*.safetensors"))) == 1 and first.key and first.sha256
     import atlas_core.train.retained_stats as rs
+
     with monkeypatch.context() as m:
         m.setattr(rs, "collect_stats", lambda *a, **k: pytest.fail("recomputed stored statistics"))
         again = retained_stats(model, LAYER, seqs, cache_dir=tmp_path)
     assert again.key == first.key and torch.equal(again.cov, first.cov)
-    keys = {first.key, retained_stats(model, LAYER, retained_ids(3), cache_dir=tmp_path).key,  # other data
-            retained_stats(model, 0, seqs, cache_dir=tmp_path).key,  # another layer
-            retained_stats(tiny(seed=1), LAYER, seqs, cache_dir=tmp_path).key}  # another backbone (the probe)
+    keys = {
+        first.key,
+        retained_stats(model, LAYER, retained_ids(3), cache_dir=tmp_path).key,  # other data
+        retained_stats(model, 0, seqs, cache_dir=tmp_path).key,  # another layer
+        retained_stats(tiny(seed=1), LAYER, seqs, cache_dir=tmp_path).key,
+    }  # another backbone (the probe)
     assert len(keys) == 4 and len(list(tmp_path.glob("*.safetensors"))) == 4
 
 

@@ -1,5 +1,6 @@
 """Every new adapter kind: a save/load round trip, a flipped byte refused, and the chain applying
 the saved delta (atlas_core.chain.load_delta) with the trained adapter's logits."""
+
 import pytest
 import torch
 

@@ -1,5 +1,6 @@
 """STM: exactly the response tokens whose f0 NLL exceeds ln 2.5 leave the loss, the mask is
 computed once per training set and cached by its hash, and the trainer's loss is CE over the rest."""
+
 import json
 import math
 from pathlib import Path

@@ -1,5 +1,6 @@
 """TALR: w_t proportional to exp(-l_t / tau), tau = the batch median of per-sequence mean response
 NLL, normalised to sum to the token count; stop-gradient through the weights."""
+
 import json
 import math
 

@@ -1,5 +1,6 @@
 """TopLoRA: B = 0 is exactly the base; a non-zero B makes a token-wise gated update
 s B (Sigma_x A x) whose gate differs per token; the frozen form equals the trained one."""
+
 import torch
 
 from atlas_core.train.baselines.toplora import TopLoRA, toplora_rank

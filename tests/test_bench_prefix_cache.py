@@ -1,5 +1,6 @@
 """bench/train_prefix_cache.py's FLOP count: the ceiling that docs/BENCHMARKS.md holds the
 measured prefix-cache speed-up against."""
+
 from argparse import Namespace
 
 import pytest
@@ -24,6 +25,7 @@ def test_matmul_ratio_counts_lower_forward_against_upper_forward_and_backward(fa
     padded = sum(b.ids.numel() for b in batches)
     targets = sum(int((b.targets != -100).sum()) for b in batches)
     for layer in (0, 1, 2):
+
         def ratio(head_cost):  # the hand count; head_cost 0 is the free-head ceiling
             upper = (3 - layer) * per_layer * padded + head_cost * targets
             return ((layer + 1) * per_layer * padded + 2 * upper) / (2 * upper)
@@ -35,4 +37,4 @@ def test_matmul_ratio_counts_lower_forward_against_upper_forward_and_backward(fa
 def test_free_head_ceiling_is_one_and_a_half_at_half_depth():
     assert free_head_ceiling(14, 30) == pytest.approx(1.5)  # 15 layers below, 15 above
     assert free_head_ceiling(15, 30) == pytest.approx(1 + 16 / 28)
-    assert torch.tensor([free_head_ceiling(l, 30) for l in range(10, 25)]).diff().gt(0).all()
+    assert torch.tensor([free_head_ceiling(n, 30) for n in range(10, 25)]).diff().gt(0).all()

@@ -1,4 +1,5 @@
 """Version chains: deltas applied in order, frozen Weight-LoRA hooks, verified loading, clean detach."""
+
 import pytest
 import torch
 
@@ -86,7 +87,9 @@ def test_a_new_lora_trains_on_top_of_a_frozen_one_on_the_same_module(tiny, token
         second.save(tmp_path / "b.safetensors", {})
         second.remove()
         # Both as frozen hooks (loading the chain) ...
-        with Chain([FrozenLoRA.load(tmp_path / "a.safetensors"), FrozenLoRA.load(tmp_path / "b.safetensors")]).attached(tiny):
+        with Chain([FrozenLoRA.load(tmp_path / "a.safetensors"), FrozenLoRA.load(tmp_path / "b.safetensors")]).attached(
+            tiny
+        ):
             want = full_hidden(tiny, ids, mask)
         # ... equal the first frozen and the second live in PEFT (training the second on top of the first).
         with FrozenLoRA.load(tmp_path / "a.safetensors").attached(tiny):
@@ -106,7 +109,9 @@ def test_mixed_chain_loads_verified_and_detaches(tiny, tokens, tmp_path):
     lora.save(tmp_path / "l.safetensors", {})
     lora.remove()
     atlases = {atlas.sha256: atlas}
-    chain = Chain([load_delta(tmp_path / "l.safetensors", atlases.get), load_delta(tmp_path / "r.safetensors", atlases.get)])
+    chain = Chain(
+        [load_delta(tmp_path / "l.safetensors", atlases.get), load_delta(tmp_path / "r.safetensors", atlases.get)]
+    )
     assert chain.lowest_layer == 1
     with torch.no_grad():
         before = full_hidden(tiny, ids, mask)

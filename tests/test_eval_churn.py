@@ -1,11 +1,20 @@
 """Answer extraction, answer storage, churn / NFR and choice churn on hand-made cases."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from evaluation.answers import ANSWER_GIVEN, Answer, extract_gsm8k_answer, normalize_number, read_answers, score_gsm8k, write_answers
+from evaluation.answers import (
+    ANSWER_GIVEN,
+    Answer,
+    extract_gsm8k_answer,
+    normalize_number,
+    read_answers,
+    score_gsm8k,
+    write_answers,
+)
 from evaluation.churn import answer_churn
 
 
@@ -67,14 +76,26 @@ def _set(rows: list[tuple[str, str | None, bool]]) -> list[Answer]:
 
 def test_churn_by_hand() -> None:
     # gold: q1=5, q2=7, q3=9, q4=2, q5=1, q6=4
-    ref = _set([("q1", "5", True), ("q2", "6", False), ("q3", "8", False), ("q4", "2", True),
-                ("q5", None, False), ("q6", "3", False)])
-    new = _set([("q1", "4", False),   # correct -> wrong: F
-                ("q2", "7", True),    # wrong -> correct: G
-                ("q3", "10", False),  # wrong -> different wrong: W
-                ("q4", "2", True),    # unchanged correct
-                ("q5", None, False),  # unextractable both times: unchanged
-                ("q6", None, False)])  # wrong -> no answer: W
+    ref = _set(
+        [
+            ("q1", "5", True),
+            ("q2", "6", False),
+            ("q3", "8", False),
+            ("q4", "2", True),
+            ("q5", None, False),
+            ("q6", "3", False),
+        ]
+    )
+    new = _set(
+        [
+            ("q1", "4", False),  # correct -> wrong: F
+            ("q2", "7", True),  # wrong -> correct: G
+            ("q3", "10", False),  # wrong -> different wrong: W
+            ("q4", "2", True),  # unchanged correct
+            ("q5", None, False),  # unextractable both times: unchanged
+            ("q6", None, False),
+        ]
+    )  # wrong -> no answer: W
     c = answer_churn(ref, new)
     assert (c.n, c.F, c.G, c.W) == (6, 1, 1, 2)
     assert c.churn == pytest.approx(4 / 6) and c.nfr == pytest.approx(1 / 6)
@@ -103,15 +124,18 @@ def test_choice_churn_is_share_of_changed_choices() -> None:
     assert changed == 2 and c.churn == pytest.approx(changed / 4) and (c.F, c.G, c.W) == (0, 1, 1)
 
 
-@pytest.mark.parametrize("text, given", [
-    ("So the answer is 12", None),  # 12 may go on: 120, 12.5
-    ("The answer is 12.", None),
-    ("The answer is 12.5.\n", "12.5"),
-    ("The answer is $1,200 in total", "1200"),
-    ("The answer is: 42\n", "42"),
-    ("the answer is 7.\n\nQuestion", "7"),
-    ("First 3, then 4 more.", None),
-])
+@pytest.mark.parametrize(
+    "text, given",
+    [
+        ("So the answer is 12", None),  # 12 may go on: 120, 12.5
+        ("The answer is 12.", None),
+        ("The answer is 12.5.\n", "12.5"),
+        ("The answer is $1,200 in total", "1200"),
+        ("The answer is: 42\n", "42"),
+        ("the answer is 7.\n\nQuestion", "7"),
+        ("First 3, then 4 more.", None),
+    ],
+)
 def test_answer_given_waits_for_the_whole_number(text: str, given: str | None) -> None:
     match = ANSWER_GIVEN.search(text)
     assert (extract_gsm8k_answer(text[: match.end()]) if match else None) == given
@@ -130,8 +154,10 @@ def test_registry_counts_flips_with_the_same_classifier():
     ref = {f"q{i}": Answer(f"q{i}", a, c) for i, ((c, a), _) in enumerate(pairs)}
     new = {f"q{i}": Answer(f"q{i}", a, c) for i, (_, (c, a)) in enumerate(pairs)}
     fresh = answer_churn(ref, new)
-    rows, flips = ledger_churn({("d", q): AnswerRecord("d", q, x.answer, x.correct) for q, x in ref.items()},
-                               {("d", q): AnswerRecord("d", q, x.answer, x.correct) for q, x in new.items()})
+    rows, flips = ledger_churn(
+        {("d", q): AnswerRecord("d", q, x.answer, x.correct) for q, x in ref.items()},
+        {("d", q): AnswerRecord("d", q, x.answer, x.correct) for q, x in new.items()},
+    )
     assert (rows[0].flips_f, rows[0].flips_g, rows[0].flips_w, rows[0].n) == (fresh.F, fresh.G, fresh.W, fresh.n)
     assert (fresh.F, fresh.G, fresh.W) == (3, 3, 6)  # 1 correct x 3 wrong each way; 3 wrong x 2 other wrong
     assert len(flips) == fresh.F + fresh.G + fresh.W

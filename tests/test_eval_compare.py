@@ -1,4 +1,5 @@
 """Matched comparison at shared requirements, on hand-made checkpoints worked out by hand."""
+
 from __future__ import annotations
 
 import math
@@ -14,13 +15,18 @@ C = Checkpoint
 # Two methods x two seeds. Solved counts and KLs chosen so every value is easy to follow.
 RECORDS = [
     # atlas seed 0: reaches 10..13
-    C("atlas", 0, 10, 0.5), C("atlas", 0, 12, 0.2), C("atlas", 0, 13, 0.4),
+    C("atlas", 0, 10, 0.5),
+    C("atlas", 0, 12, 0.2),
+    C("atlas", 0, 13, 0.4),
     # atlas seed 1: reaches 11..14
-    C("atlas", 1, 11, 0.1), C("atlas", 1, 14, 0.8),
+    C("atlas", 1, 11, 0.1),
+    C("atlas", 1, 14, 0.8),
     # baseline seed 0: reaches 9..12  (KL 1.0 at 12 dominates the 9-checkpoint for k <= 12)
-    C("lora", 0, 9, 2.0), C("lora", 0, 12, 1.0),
+    C("lora", 0, 9, 2.0),
+    C("lora", 0, 12, 1.0),
     # baseline seed 1: reaches 10..13
-    C("lora", 1, 10, 0.05), C("lora", 1, 13, 0.4),
+    C("lora", 1, 10, 0.05),
+    C("lora", 1, 13, 0.4),
 ]
 
 
@@ -63,8 +69,11 @@ def test_baseline_favoured_and_explicit_levels() -> None:
 def test_lower_is_better_float_levels() -> None:
     # Held-out NLL levels: a checkpoint reaches t when its NLL <= t.
     recs = [
-        C("atlas", 0, 2.0, 0.3), C("atlas", 0, 1.5, 0.6), C("atlas", 0, 1.2, 0.9),
-        C("lora", 0, 2.1, 0.5), C("lora", 0, 1.4, 1.2),
+        C("atlas", 0, 2.0, 0.3),
+        C("atlas", 0, 1.5, 0.6),
+        C("atlas", 0, 1.2, 0.9),
+        C("lora", 0, 2.1, 0.5),
+        C("lora", 0, 1.4, 1.2),
     ]
     # per-run [min, max]: atlas [1.2, 2.0], lora [1.4, 2.1] -> shared [1.4, 2.0]
     assert shared_levels(recs, "lower", n_grid=3) == pytest.approx([1.4, 1.7, 2.0])
@@ -106,8 +115,9 @@ def test_markdown_and_plots(tmp_path: Path) -> None:
     assert "| 11 | 0.1414 | 0.6325 | 0.224 |" in table  # sqrt(0.2*0.1), sqrt(1.0*0.4), sqrt(0.05)
     assert "0.376 (reduction 62.4%)" in table  # 1 - 0.02 ** 0.25
     png = tradeoff_plot(RECORDS, tmp_path / "tradeoff.png", shared=cmp.levels)
-    bars = churn_bars({"v1": {"n": 10, "F": 1, "G": 2, "W": 1}, "v2": {"n": 10, "F": 0, "G": 1, "W": 0}},
-                      tmp_path / "churn.png")
+    bars = churn_bars(
+        {"v1": {"n": 10, "F": 1, "G": 2, "W": 1}, "v2": {"n": 10, "F": 0, "G": 1, "W": 0}}, tmp_path / "churn.png"
+    )
     for path in (png, bars):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
 

@@ -1,4 +1,5 @@
 """Shipped data sets: row counts, published hashes, corruption, download checks, user schema."""
+
 from __future__ import annotations
 
 import gzip
@@ -12,10 +13,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from atlas_core.io import sha256_file  # noqa: E402
-from atlas_core.paths import data_dir  # noqa: E402
-from evaluation import data as D  # noqa: E402
-from evaluation.datafiles import (  # noqa: E402
+from atlas_core.io import sha256_file
+from atlas_core.paths import data_dir
+from evaluation import data as D
+from evaluation.datafiles import (
     KNOWN_FILES,
     DataIntegrityError,
     build_splits_json,
@@ -23,7 +24,7 @@ from evaluation.datafiles import (  # noqa: E402
     known,
     verified_path,
 )
-from evaluation.userdata import SchemaError, load_retained_jsonl, load_skill_jsonl  # noqa: E402
+from evaluation.userdata import SchemaError, load_retained_jsonl, load_skill_jsonl
 
 ROOT = data_dir()
 pytestmark = pytest.mark.skipif(not (ROOT / "gsm8k/test.jsonl").is_file(), reason=f"data files not in {ROOT}")
@@ -58,9 +59,13 @@ def test_known_table_matches_provenance_document() -> None:
 @pytest.mark.parametrize(
     "loader, split, n",
     [
-        (D.load_gsm8k, "test", 1319), (D.load_gsm8k, "train", 7473),
-        (D.load_csqa, "validation", 1221), (D.load_csqa, "train", 9741),
-        (D.load_mbpp, "train", 120), (D.load_mbpp, "validation", 43), (D.load_mbpp, "test", 257),
+        (D.load_gsm8k, "test", 1319),
+        (D.load_gsm8k, "train", 7473),
+        (D.load_csqa, "validation", 1221),
+        (D.load_csqa, "train", 9741),
+        (D.load_mbpp, "train", 120),
+        (D.load_mbpp, "validation", 43),
+        (D.load_mbpp, "test", 257),
         (D.load_mbpp_plus, "test", 224),
     ],
 )
@@ -177,11 +182,16 @@ def _write(path: Path, rows: list) -> Path:
 
 
 def test_user_sets_load(tmp_path: Path) -> None:
-    skill = load_skill_jsonl(_write(tmp_path / "s.jsonl", [
-        {"id": "a", "prompt": "p", "response": "r", "tests": ["assert 1"]},
-        "",
-        {"id": "b", "prompt": "p2", "response": "", "meta": {"src": "x"}},
-    ]))
+    skill = load_skill_jsonl(
+        _write(
+            tmp_path / "s.jsonl",
+            [
+                {"id": "a", "prompt": "p", "response": "r", "tests": ["assert 1"]},
+                "",
+                {"id": "b", "prompt": "p2", "response": "", "meta": {"src": "x"}},
+            ],
+        )
+    )
     assert [s.id for s in skill] == ["a", "b"] and skill[0].tests == ("assert 1",) and skill[1].meta == {"src": "x"}
     retained = load_retained_jsonl(_write(tmp_path / "r.jsonl", [{"id": "r1", "prompt": "q", "answer": "5"}]))
     assert retained[0].answer == "5"

@@ -4,6 +4,7 @@ The subset is the first 23 MBPP+ test problems plus Mbpp/455 (only 13 plus input
 solution that hangs at import is killed quickly). Its ground truth takes about a second to
 build and is cached under `<state>/evalplus_cache`, where later runs reuse it.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from atlas_core.paths import data_dir  # noqa: E402
-from evaluation.data import load_mbpp_plus  # noqa: E402
-from evaluation.evalplus_score import evalplus_cache_home, score_mbpp_plus  # noqa: E402
+from atlas_core.paths import data_dir
+from evaluation.data import load_mbpp_plus
+from evaluation.evalplus_score import evalplus_cache_home, score_mbpp_plus
 
 pytestmark = pytest.mark.skipif(
     not (data_dir() / "mbppplus/MbppPlus-v0.2.0.jsonl").is_file(), reason="MBPP+ data not available"
@@ -62,7 +63,7 @@ def test_deleting_solution_really_deletes_outside_the_sandbox(tmp_path) -> None:
     sentinel = tmp_path / "keep" / "sentinel.txt"
     sentinel.parent.mkdir()
     sentinel.write_text("x")
-    exec(_bad_solutions(sentinel)["Mbpp/11"], {})  # noqa: S102 - our own fixed code, on a tmp file
+    exec(_bad_solutions(sentinel)["Mbpp/11"], {})
     assert not sentinel.exists()
 
 

@@ -1,4 +1,5 @@
 """Prompts, batched greedy generation, code extraction and conditional choice on a tiny random Llama."""
+
 from __future__ import annotations
 
 import copy
@@ -10,10 +11,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from evaluation.choice import ChoiceSet, choose, label_token_ids  # noqa: E402
-from evaluation.generate import extract_code, generate, truncate_after, truncate_at_stop  # noqa: E402
-from evaluation.prompts import choice_message, code_message, math_message, render  # noqa: E402
-from evaluation.tiny import tiny_llama, tiny_tokenizer  # noqa: E402
+from evaluation.choice import ChoiceSet, choose, label_token_ids
+from evaluation.generate import extract_code, generate, truncate_after, truncate_at_stop
+from evaluation.prompts import choice_message, code_message, math_message, render
+from evaluation.tiny import tiny_llama, tiny_tokenizer
 
 OPTIONS = ["bank", "library", "department store", "mall", "new york"]
 
@@ -39,7 +40,7 @@ def test_render_chat_and_plain() -> None:
     assert render(chat, message, "code") == f"<s><|user|>{message}\n<|assistant|>"
     assert render(plain, message, "code") == f"{message}\n\n```python\n"
     assert "assert add(1, 2) == 3" in message and "```python" in message
-    assert 'The answer is N' in math_message("q")
+    assert "The answer is N" in math_message("q")
     assert "A. bank\nB. library\nC. department store\nD. mall\nE. new york" in choice_message("s", OPTIONS)
     with pytest.raises(ValueError, match="unknown task"):
         render(chat, message, "poetry")
@@ -109,11 +110,17 @@ def _previous_generate(model, tok, prompt: str, n: int, eos: list[int], stop=(),
     from transformers import GenerationConfig
 
     enc = tok(prompt, return_tensors="pt", add_special_tokens=tok.chat_template is None)
-    config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=tok.pad_token_id,
-                              stop_strings=list(stop) or None)
+    config = GenerationConfig(
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=tok.pad_token_id,
+        stop_strings=list(stop) or None,
+    )
     out = model.generate(**enc, generation_config=config, tokenizer=tok if stop else None)
-    return truncate_after(truncate_at_stop(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True),
-                                           stop), stop_after)
+    return truncate_after(
+        truncate_at_stop(tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True), stop), stop_after
+    )
 
 
 def _sharp(model):
@@ -127,7 +134,9 @@ def _sharp(model):
 
 
 @pytest.mark.parametrize("grow", [1, 128], ids=["cache-grows-every-step", "cache-grows-by-128"])
-def test_equals_transformers_generate_with_rows_ending_at_different_steps(model_and_tokenizer, monkeypatch, grow) -> None:
+def test_equals_transformers_generate_with_rows_ending_at_different_steps(
+    model_and_tokenizer, monkeypatch, grow
+) -> None:
     # Rows end by an eos id (one picked from the longest prompt's completion, so a row in the middle
     # of a batch ends early), a stop string and a stop_after pattern; the ended rows leave the batch
     # and the rest must decode on unchanged.
@@ -135,8 +144,9 @@ def test_equals_transformers_generate_with_rows_ending_at_different_steps(model_
 
     monkeypatch.setattr(g, "_GROW", grow)
     model, tok = _sharp(model_and_tokenizer[0]), model_and_tokenizer[1]
-    prompts = _prompts(tok) + [render(tok, math_message("How many legs have " + "two " * i + "cats?"), "math")
-                               for i in range(1, 5)]
+    prompts = _prompts(tok) + [
+        render(tok, math_message("How many legs have " + "two " * i + "cats?"), "math") for i in range(1, 5)
+    ]
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
     free = generate(model, tok, prompts, max_new_tokens=24, batch_size=8, progress=False)
     enc = tok(prompts[longest], return_tensors="pt", add_special_tokens=tok.chat_template is None)
@@ -147,13 +157,22 @@ def test_equals_transformers_generate_with_rows_ending_at_different_steps(model_
     expected = [_previous_generate(model, tok, p, 24, eos, [stop], after) for p in prompts]
     assert len(expected[longest]) < len(free[longest]) and expected[1] != free[1] and expected[2] != free[2]
     rows: list[int] = []
-    handle = model.register_forward_hook(lambda m, args, kwargs, out: rows.append(kwargs["input_ids"].shape[0]),
-                                         with_kwargs=True)
+    handle = model.register_forward_hook(
+        lambda m, args, kwargs, out: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
     try:
         for batch_size in (1, 3, 8):
             rows.clear()
-            got = generate(model, tok, prompts, max_new_tokens=24, batch_size=batch_size, stop=[stop],
-                           stop_after=after, progress=False)
+            got = generate(
+                model,
+                tok,
+                prompts,
+                max_new_tokens=24,
+                batch_size=batch_size,
+                stop=[stop],
+                stop_after=after,
+                progress=False,
+            )
             assert got == expected, batch_size
         # In the batch of 8 the ended rows left: the rows per forward fall.
         assert rows[0] == 8 and rows[-1] < 8 and rows == sorted(rows, reverse=True)
@@ -172,8 +191,9 @@ def test_forward_hook_changes_generation(model_and_tokenizer) -> None:
     prompts = _prompts(tok)[:2]
     plain = generate(model, tok, prompts, max_new_tokens=8, progress=False)
     steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1)) * 50
-    handle = model.model.layers[0].register_forward_hook(lambda m, i, out: (out[0] + steer, *out[1:])
-                                                         if isinstance(out, tuple) else out + steer)
+    handle = model.model.layers[0].register_forward_hook(
+        lambda m, i, out: (out[0] + steer, *out[1:]) if isinstance(out, tuple) else out + steer
+    )
     try:
         hooked = generate(model, tok, prompts, max_new_tokens=8, progress=False)
     finally:
@@ -259,8 +279,13 @@ def test_choice_prefix_states_are_checked(model_and_tokenizer) -> None:
     states = choices.prefix()
     assert [tuple(h.shape[:2]) for h in states] == [tuple(ids.shape) for ids, *_ in choices.batches]
     d = model.config.hidden_size
-    wrong = {"batches": states[:1], "length": [states[0][:, 1:], states[1]], "width": [h[..., : d - 1] for h in states],
-             "rank": [h[0] for h in states], "rows": [states[1], states[0]]}
+    wrong = {
+        "batches": states[:1],
+        "length": [states[0][:, 1:], states[1]],
+        "width": [h[..., : d - 1] for h in states],
+        "rank": [h[0] for h in states],
+        "rows": [states[1], states[0]],
+    }
     for name, bad in wrong.items():
         with pytest.raises(ValueError, match="prefix states"):
             ChoiceSet(model, tok, prompts, batch_size=3, layer=0).use_prefix(bad)
@@ -278,8 +303,18 @@ def test_choice_passes_left_padded_positions(model_and_tokenizer) -> None:
 
     tok = model_and_tokenizer[1]
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=4, n_positions=512,
-                                       bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=len(tok),
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=512,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+    ).eval()
     prompts = _choice_prompts(tok, 5)
     choices = ChoiceSet(model, tok, prompts, batch_size=5, layer=0)
     ids, mask, _, rows = choices.batches[0]
@@ -294,8 +329,9 @@ def test_choice_passes_left_padded_positions(model_and_tokenizer) -> None:
     # The layers above the prefix get the full forward's positions too (where rotary attention
     # is not shift-invariant, e.g. dynamic rope scaling, they would matter there as well).
     llama, seen = model_and_tokenizer[0], []
-    upper = llama.model.layers[1].register_forward_pre_hook(lambda m, a, kw: seen.append(kw["position_ids"]),
-                                                             with_kwargs=True)
+    upper = llama.model.layers[1].register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["position_ids"]), with_kwargs=True
+    )
     try:
         choose(llama, tok, prompts, batch_size=5, progress=False)
         ChoiceSet(llama, tok, prompts, batch_size=5, layer=0).choose(progress=False)
@@ -307,12 +343,32 @@ def test_choice_passes_left_padded_positions(model_and_tokenizer) -> None:
 @pytest.mark.parametrize(
     "completion, entry_point, expected",
     [
-        ("Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\nDone.", "add", "def add(a, b):\n    return a + b"),
-        ("```\nimport math\ndef f(x):\n    return math.sqrt(x)\n```", None, "import math\ndef f(x):\n    return math.sqrt(x)"),
-        ("```python\nprint(add(1, 2))\n```\n```py\ndef add(a, b):\n    return a + b\n```", "add", "def add(a, b):\n    return a + b"),
-        ("```python\ndef helper():\n    pass\n```\n```python\ndef add(a, b):\n    return a+b\n```", "add", "def add(a, b):\n    return a+b"),
+        (
+            "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\nDone.",
+            "add",
+            "def add(a, b):\n    return a + b",
+        ),
+        (
+            "```\nimport math\ndef f(x):\n    return math.sqrt(x)\n```",
+            None,
+            "import math\ndef f(x):\n    return math.sqrt(x)",
+        ),
+        (
+            "```python\nprint(add(1, 2))\n```\n```py\ndef add(a, b):\n    return a + b\n```",
+            "add",
+            "def add(a, b):\n    return a + b",
+        ),
+        (
+            "```python\ndef helper():\n    pass\n```\n```python\ndef add(a, b):\n    return a+b\n```",
+            "add",
+            "def add(a, b):\n    return a+b",
+        ),
         ("```python\ndef add(a, b):\n    return a + b", "add", "def add(a, b):\n    return a + b"),  # unclosed fence
-        ("```text\nnot code\n```\ndef add(a, b):\n    return a + b", None, "def add(a, b):\n    return a + b"),  # non-python fence skipped
+        (
+            "```text\nnot code\n```\ndef add(a, b):\n    return a + b",
+            None,
+            "def add(a, b):\n    return a + b",
+        ),  # non-python fence skipped
         ("The function:\ndef add(a, b):\n    return a + b\n", "add", "def add(a, b):\n    return a + b"),  # raw code
         ("return 1", None, "return 1"),
     ],

@@ -1,4 +1,5 @@
 """Target scorers on a tiny random Llama and small real-data subsets: values, names, user scorers, errors."""
+
 from __future__ import annotations
 
 import json
@@ -11,18 +12,18 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from atlas_core.paths import data_dir  # noqa: E402
-from atlas_core.train import render_chat  # noqa: E402
-from atlas_core.typed_config import ConfigError  # noqa: E402
-from evaluation import tasks  # noqa: E402
-from evaluation.answers import extract_gsm8k_answer, grade_answer, normalize_number  # noqa: E402
-from evaluation.data import gsm8k_pairs, load_gsm8k, load_mbpp_plus, mbpp_pairs  # noqa: E402
-from evaluation.generate import generate  # noqa: E402
-from evaluation.prompts import math_message  # noqa: E402
-from evaluation.scorer_base import ProblemScore, TargetScorer  # noqa: E402
-from evaluation.scorers import SCORERS, build_scorer  # noqa: E402
-from evaluation.scorers_builtin import response_stats  # noqa: E402
-from evaluation.tiny import tiny_llama, tiny_tokenizer  # noqa: E402
+from atlas_core.paths import data_dir
+from atlas_core.train import render_chat
+from atlas_core.typed_config import ConfigError
+from evaluation import tasks
+from evaluation.answers import extract_gsm8k_answer, grade_answer, normalize_number
+from evaluation.data import gsm8k_pairs, load_gsm8k, load_mbpp_plus, mbpp_pairs
+from evaluation.generate import generate
+from evaluation.prompts import math_message
+from evaluation.scorer_base import ProblemScore, TargetScorer
+from evaluation.scorers import SCORERS, build_scorer
+from evaluation.scorers_builtin import response_stats
+from evaluation.tiny import tiny_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(not (data_dir() / "gsm8k/test.jsonl").is_file(), reason="data files not available")
 HERE = "tests.test_eval_scorers"
@@ -47,7 +48,11 @@ def _write_jsonl(path: Path, rows: list[dict]) -> str:
 
 # ------------------------------------------------------------------------------ scores and aggregates
 def test_problem_score_summarise_and_restore() -> None:
-    values = {"a": ProblemScore("pass", True, 1.0), "b": ProblemScore("fail", False, 0.0), "c": ProblemScore("x", True, 1.0)}
+    values = {
+        "a": ProblemScore("pass", True, 1.0),
+        "b": ProblemScore("fail", False, 0.0),
+        "c": ProblemScore("x", True, 1.0),
+    }
     summed, meaned = TargetScorer(), TargetScorer()
     meaned.aggregate = "mean"
     assert summed.summarise(values) == 2.0 and meaned.summarise(values) == pytest.approx(2 / 3)
@@ -95,11 +100,14 @@ def _hand_nll(model, tok, pair: dict) -> float:
 
 def test_reference_nll_matches_a_per_example_loop(tiny, tmp_path) -> None:
     model, tok = tiny
-    skill = _write_jsonl(tmp_path / "skill.jsonl", [
-        {"id": "s1", "prompt": "What is 2 + 3?", "response": "The answer is 5."},
-        {"id": "s2", "prompt": "Write add.", "response": "def add(a, b):\n    return a + b"},
-        {"id": "s3", "prompt": "Say hi " * 20, "response": "hi"},
-    ])
+    skill = _write_jsonl(
+        tmp_path / "skill.jsonl",
+        [
+            {"id": "s1", "prompt": "What is 2 + 3?", "response": "The answer is 5."},
+            {"id": "s2", "prompt": "Write add.", "response": "def add(a, b):\n    return a + b"},
+            {"id": "s3", "prompt": "Say hi " * 20, "response": "hi"},
+        ],
+    )
     for source, pairs in (("gsm8k", gsm8k_pairs("test")[:4]), (skill, [json.loads(x) for x in open(skill)])):
         hand = {p["id"]: _hand_nll(model, tok, p) for p in pairs}
         cut = statistics.median(hand.values())
@@ -115,7 +123,8 @@ def test_reference_nll_matches_a_per_example_loop(tiny, tmp_path) -> None:
         assert scorer.summarise(values) == pytest.approx(statistics.mean(hand.values()), abs=2e-5)
         one_by_one = build_scorer("reference-nll", {"source": source, "limit": 4, "batch_size": 1, "solved_below": cut})
         assert {q: s.value for q, s in one_by_one.score(model, tok).items()} == pytest.approx(
-            {q: s.value for q, s in values.items()}, abs=2e-6)
+            {q: s.value for q, s in values.items()}, abs=2e-6
+        )
 
 
 def _hand_agreement(model, tok, pairs: list[dict]) -> dict[str, float]:
@@ -136,7 +145,11 @@ def test_response_match_batched_equals_per_example(chat_tiny) -> None:
     pairs = mbpp_pairs("test")[:6]
     # A random model agrees with nothing; push its argmax to the references' most common token
     # (an adapter attached by a hook) so agreement varies between examples.
-    common = torch.cat([torch.tensor(tok(p["response"], add_special_tokens=False)["input_ids"]) for p in pairs]).mode().values
+    common = (
+        torch.cat([torch.tensor(tok(p["response"], add_special_tokens=False)["input_ids"]) for p in pairs])
+        .mode()
+        .values
+    )
     bias = torch.zeros(len(tok))
     bias[common] = 50.0
     handle = model.lm_head.register_forward_hook(lambda m, i, out: out + bias)
@@ -164,7 +177,9 @@ def test_gsm8k_and_csqa_scorers_match_the_task_evaluations(chat_tiny) -> None:
     direct = tasks.eval_gsm8k(model, tok, split="train", limit=3, max_new_tokens=8).answers
     got = gsm.score(model, tok)
     assert list(got) == gsm.problem_ids() == [a.id for a in direct]
-    assert [(s.answer, s.correct, s.value) for s in got.values()] == [(a.answer, a.correct, float(a.correct)) for a in direct]
+    assert [(s.answer, s.correct, s.value) for s in got.values()] == [
+        (a.answer, a.correct, float(a.correct)) for a in direct
+    ]
     csqa = build_scorer("csqa-choice", {"split": "train", "limit": 12, "batch_size": 5})
     direct = tasks.eval_csqa_choice(model, tok, split="train", limit=12).answers
     got = csqa.score(model, tok)
@@ -200,8 +215,10 @@ def test_exact_match_generates_from_the_trainer_prompt(tiny, tmp_path) -> None:
     # The trainer's prompt side of a pair: what a model trained on (prompt, answer) pairs answers after.
     completions = generate(model, tok, [render_chat(tok, p, "")[0] for p in prompts], max_new_tokens=6, progress=False)
     answers = [f"  {completions[0].upper()}\n", "definitely not this", completions[2]]
-    path = _write_jsonl(tmp_path / "answers.jsonl",
-                        [{"id": f"q{i}", "prompt": p, "answer": a} for i, (p, a) in enumerate(zip(prompts, answers))])
+    path = _write_jsonl(
+        tmp_path / "answers.jsonl",
+        [{"id": f"q{i}", "prompt": p, "answer": a} for i, (p, a) in enumerate(zip(prompts, answers))],
+    )
     scorer = build_scorer("exact-match", {"file": path, "max_new_tokens": 6, "batch_size": 2})
     got = scorer.score(model, tok)
     assert list(got) == ["q0", "q1", "q2"]
@@ -211,15 +228,28 @@ def test_exact_match_generates_from_the_trainer_prompt(tiny, tmp_path) -> None:
 
 # ------------------------------------------------------------------------------ names and cheap construction
 def test_dataset_names_follow_every_setting_that_changes_answers(tmp_path) -> None:
-    base = {"mbpp-plus": {}, "gsm8k-accuracy": {}, "csqa-choice": {}, "reference-nll": {}, "response-match": {},
-            "exact-match": {"file": _write_jsonl(tmp_path / "a.jsonl", [{"id": "1", "prompt": "p", "answer": "a"}])}}
-    changes = {"mbpp-plus": [("limit", 3), ("max_new_tokens", 64)],
-               "gsm8k-accuracy": [("split", "train"), ("limit", 3), ("max_new_tokens", 64)],
-               "csqa-choice": [("split", "train"), ("limit", 3)],
-               "exact-match": [("limit", 3), ("max_new_tokens", 9), ("checker", "number")],
-               "reference-nll": [("source", "mbpp"), ("split", "train"), ("limit", 3), ("max_length", 64),
-                                 ("solved_below", 0.5)],
-               "response-match": [("source", "gsm8k"), ("split", "validation"), ("limit", 3), ("threshold", 0.5)]}
+    base = {
+        "mbpp-plus": {},
+        "gsm8k-accuracy": {},
+        "csqa-choice": {},
+        "reference-nll": {},
+        "response-match": {},
+        "exact-match": {"file": _write_jsonl(tmp_path / "a.jsonl", [{"id": "1", "prompt": "p", "answer": "a"}])},
+    }
+    changes = {
+        "mbpp-plus": [("limit", 3), ("max_new_tokens", 64)],
+        "gsm8k-accuracy": [("split", "train"), ("limit", 3), ("max_new_tokens", 64)],
+        "csqa-choice": [("split", "train"), ("limit", 3)],
+        "exact-match": [("limit", 3), ("max_new_tokens", 9), ("checker", "number")],
+        "reference-nll": [
+            ("source", "mbpp"),
+            ("split", "train"),
+            ("limit", 3),
+            ("max_length", 64),
+            ("solved_below", 0.5),
+        ],
+        "response-match": [("source", "gsm8k"), ("split", "validation"), ("limit", 3), ("threshold", 0.5)],
+    }
     assert set(base) == set(SCORERS)
     names = set()
     for name, options in base.items():
@@ -239,8 +269,18 @@ def test_building_loads_no_model_and_generates_nothing(tmp_path, monkeypatch) ->
     def boom(*args, **kwargs):
         raise AssertionError("construction must not load data sets or generate")
 
-    for fn in ("eval_mbpp_plus", "eval_gsm8k", "eval_csqa_choice", "generate", "response_stats", "load_gsm8k",
-               "load_csqa", "load_mbpp_plus", "gsm8k_pairs", "mbpp_pairs"):
+    for fn in (
+        "eval_mbpp_plus",
+        "eval_gsm8k",
+        "eval_csqa_choice",
+        "generate",
+        "response_stats",
+        "load_gsm8k",
+        "load_csqa",
+        "load_mbpp_plus",
+        "gsm8k_pairs",
+        "mbpp_pairs",
+    ):
         monkeypatch.setattr(scorers_builtin, fn, boom)
     file = _write_jsonl(tmp_path / "a.jsonl", [{"id": "1", "prompt": "p", "answer": "a"}])
     for name in SCORERS:
@@ -263,8 +303,10 @@ class MyScorer(TargetScorer):
         return [f"p{i}" for i in range(self.n)]
 
     def score(self, model, tokenizer) -> dict[str, ProblemScore]:
-        return {q: ProblemScore(None, i < self.solved, 0.5 if self.bad_value else float(i < self.solved))
-                for i, q in enumerate(self.problem_ids())}
+        return {
+            q: ProblemScore(None, i < self.solved, 0.5 if self.bad_value else float(i < self.solved))
+            for i, q in enumerate(self.problem_ids())
+        }
 
 
 class Incomplete:
@@ -276,68 +318,104 @@ class Incomplete:
 
 def test_user_scorer_is_imported_built_with_options_and_checked() -> None:
     scorer = build_scorer(f"{HERE}:MyScorer", {"n": 4, "solved": 3})
-    assert (scorer.name, scorer.dataset, scorer.higher_is_better, scorer.aggregate) == ("my-scorer", "my-scorer@4:3", True, "sum")
+    assert (scorer.name, scorer.dataset, scorer.higher_is_better, scorer.aggregate) == (
+        "my-scorer",
+        "my-scorer@4:3",
+        True,
+        "sum",
+    )
     values = scorer.score(None, None)
     assert scorer.problem_ids() == list(values) == ["p0", "p1", "p2", "p3"] and scorer.summarise(values) == 3
     with pytest.raises(ValueError, match=r"\['p0'\].value is 0.5; a 'sum' scorer"):
         build_scorer(f"{HERE}:MyScorer", {"n": 2, "solved": 1, "bad_value": True}).score(None, None)
 
 
-@pytest.mark.parametrize("name, options, message", [
-    (f"{HERE}:MyScorer", {"n": 2, "sloved": 1}, r"target.options.sloved: not an option of .*did you mean 'solved'"),
-    (f"{HERE}:MyScorer", {}, r"target.options.n: required by"),
-    (f"{HERE}:MyScorer", {"n": 0}, r"target.options.n: expected a positive integer, got 0"),
-    (f"{HERE}:Incomplete", {}, r"target.scorer: .* not a TargetScorer: dataset is None.*; higher_is_better is 'yes'"
-                               r".*; aggregate is None.*; score is not a method"),
-    (f"{HERE}:HERE", {}, r"target.scorer: .* is a str, not a callable"),
-    (f"{HERE}:Missing", {}, r"target.scorer: module 'tests.test_eval_scorers' has no attribute 'Missing'"),
-    ("no_such_package.mod:Factory", {}, r"target.scorer: cannot import module 'no_such_package.mod'"),
-    ("tests.test_eval_scorers:", {}, r"target.scorer: expected 'package.module:Factory'"),
-])
+@pytest.mark.parametrize(
+    "name, options, message",
+    [
+        (f"{HERE}:MyScorer", {"n": 2, "sloved": 1}, r"target.options.sloved: not an option of .*did you mean 'solved'"),
+        (f"{HERE}:MyScorer", {}, r"target.options.n: required by"),
+        (f"{HERE}:MyScorer", {"n": 0}, r"target.options.n: expected a positive integer, got 0"),
+        (
+            f"{HERE}:Incomplete",
+            {},
+            r"target.scorer: .* not a TargetScorer: dataset is None.*; higher_is_better is 'yes'"
+            r".*; aggregate is None.*; score is not a method",
+        ),
+        (f"{HERE}:HERE", {}, r"target.scorer: .* is a str, not a callable"),
+        (f"{HERE}:Missing", {}, r"target.scorer: module 'tests.test_eval_scorers' has no attribute 'Missing'"),
+        ("no_such_package.mod:Factory", {}, r"target.scorer: cannot import module 'no_such_package.mod'"),
+        ("tests.test_eval_scorers:", {}, r"target.scorer: expected 'package.module:Factory'"),
+    ],
+)
 def test_user_scorer_errors(name, options, message) -> None:
     with pytest.raises(ConfigError, match=message):
         build_scorer(name, options)
 
 
 # ------------------------------------------------------------------------------ built-in errors
-@pytest.mark.parametrize("name, options, message", [
-    ("gsm8k-acuracy", None, r"target.scorer: unknown scorer 'gsm8k-acuracy' \(did you mean 'gsm8k-accuracy'\?\)"),
-    ("", None, r"target.scorer: expected a scorer name"),
-    ("mbpp-plus", ["limit"], r"target.options: expected a mapping"),
-    ("mbpp-plus", {"limt": 4}, r"target.options.limt: unknown field; expected one of \['limit'"),
-    ("mbpp-plus", {"limit": "all"}, r"target.options.limit: expected an integer, got 'all'"),
-    ("mbpp-plus", {"max_new_tokens": 0}, r"target.options.max_new_tokens: expected a positive integer, got 0"),
-    ("gsm8k-accuracy", {"split": "validation"}, r"target.options.split: expected one of \['test', 'train'\]"),
-    ("csqa-choice", {"split": "test"}, r"target.options.split: expected one of \['validation', 'train'\]"),
-    ("csqa-choice", {"batch_size": -1}, r"target.options.batch_size: expected a positive integer"),
-    ("exact-match", {}, r"target.options.file: expected the path of a JSONL file"),
-    ("exact-match", {"file": "no/such.jsonl"}, r"target.options.file: file not found: no/such.jsonl"),
-    ("exact-match", {"file": "{bad}", "checker": "fuzzy"}, r"target.options.checker: expected one of"),
-    ("reference-nll", {"source": "mbpp", "split": "dev"}, r"target.options.split: expected one of \['train', 'validation'"),
-    ("reference-nll", {"solved_below": 0}, r"target.options.solved_below: expected a positive number"),
-    ("reference-nll", {"source": "no/such.jsonl"}, r"target.options.source: file not found"),
-    ("reference-nll", {"source": "{skill}", "split": "test"}, r"target.options.split: only for the built-in sources"),
-    ("response-match", {"threshold": 1.5}, r"target.options.threshold: expected a value in \(0, 1\]"),
-    ("response-match", {"threshold": 0.9, "treshold": 0.5}, r"target.options.treshold: unknown field"),
-])
+@pytest.mark.parametrize(
+    "name, options, message",
+    [
+        ("gsm8k-acuracy", None, r"target.scorer: unknown scorer 'gsm8k-acuracy' \(did you mean 'gsm8k-accuracy'\?\)"),
+        ("", None, r"target.scorer: expected a scorer name"),
+        ("mbpp-plus", ["limit"], r"target.options: expected a mapping"),
+        ("mbpp-plus", {"limt": 4}, r"target.options.limt: unknown field; expected one of \['limit'"),
+        ("mbpp-plus", {"limit": "all"}, r"target.options.limit: expected an integer, got 'all'"),
+        ("mbpp-plus", {"max_new_tokens": 0}, r"target.options.max_new_tokens: expected a positive integer, got 0"),
+        ("gsm8k-accuracy", {"split": "validation"}, r"target.options.split: expected one of \['test', 'train'\]"),
+        ("csqa-choice", {"split": "test"}, r"target.options.split: expected one of \['validation', 'train'\]"),
+        ("csqa-choice", {"batch_size": -1}, r"target.options.batch_size: expected a positive integer"),
+        ("exact-match", {}, r"target.options.file: expected the path of a JSONL file"),
+        ("exact-match", {"file": "no/such.jsonl"}, r"target.options.file: file not found: no/such.jsonl"),
+        ("exact-match", {"file": "{bad}", "checker": "fuzzy"}, r"target.options.checker: expected one of"),
+        (
+            "reference-nll",
+            {"source": "mbpp", "split": "dev"},
+            r"target.options.split: expected one of \['train', 'validation'",
+        ),
+        ("reference-nll", {"solved_below": 0}, r"target.options.solved_below: expected a positive number"),
+        ("reference-nll", {"source": "no/such.jsonl"}, r"target.options.source: file not found"),
+        (
+            "reference-nll",
+            {"source": "{skill}", "split": "test"},
+            r"target.options.split: only for the built-in sources",
+        ),
+        ("response-match", {"threshold": 1.5}, r"target.options.threshold: expected a value in \(0, 1\]"),
+        ("response-match", {"threshold": 0.9, "treshold": 0.5}, r"target.options.treshold: unknown field"),
+    ],
+)
 def test_builtin_option_errors(name, options, message, tmp_path) -> None:
-    files = {"{bad}": _write_jsonl(tmp_path / "a.jsonl", [{"id": "1", "prompt": "p", "answer": "a"}]),
-             "{skill}": _write_jsonl(tmp_path / "s.jsonl", [{"id": "1", "prompt": "p", "response": "r"}])}
+    files = {
+        "{bad}": _write_jsonl(tmp_path / "a.jsonl", [{"id": "1", "prompt": "p", "answer": "a"}]),
+        "{skill}": _write_jsonl(tmp_path / "s.jsonl", [{"id": "1", "prompt": "p", "response": "r"}]),
+    }
     if isinstance(options, dict):
         options = {k: files.get(v, v) if isinstance(v, str) else v for k, v in options.items()}
     with pytest.raises(ConfigError, match=message):
         build_scorer(name, options)
 
 
-@pytest.mark.parametrize("name, key, rows, message", [
-    ("exact-match", "file", [{"id": "1", "prompt": "p", "answer": "a"}, {"id": "2", "prompt": "p"}],
-     r"target.options.file: .*a.jsonl: line 2: field 'answer' is missing"),
-    ("exact-match", "file", [{"id": "1", "prompt": "p", "answr": "a"}], r"line 1: field 'answer' is missing"),
-    ("exact-match", "file", [{"id": "1", "prompt": "p", "answer": 5}], r"line 1: field 'answer' must be a string"),
-    ("reference-nll", "source", [{"id": "1", "prompt": "p", "response": "r"}, {"id": "1", "prompt": "q", "response": "s"}],
-     r"target.options.source: .*a.jsonl: line 2: field 'id' '1' repeats line 1"),
-    ("response-match", "source", [{"id": "1", "prompt": "", "response": "r"}], r"line 1: field 'prompt' is empty"),
-])
+@pytest.mark.parametrize(
+    "name, key, rows, message",
+    [
+        (
+            "exact-match",
+            "file",
+            [{"id": "1", "prompt": "p", "answer": "a"}, {"id": "2", "prompt": "p"}],
+            r"target.options.file: .*a.jsonl: line 2: field 'answer' is missing",
+        ),
+        ("exact-match", "file", [{"id": "1", "prompt": "p", "answr": "a"}], r"line 1: field 'answer' is missing"),
+        ("exact-match", "file", [{"id": "1", "prompt": "p", "answer": 5}], r"line 1: field 'answer' must be a string"),
+        (
+            "reference-nll",
+            "source",
+            [{"id": "1", "prompt": "p", "response": "r"}, {"id": "1", "prompt": "q", "response": "s"}],
+            r"target.options.source: .*a.jsonl: line 2: field 'id' '1' repeats line 1",
+        ),
+        ("response-match", "source", [{"id": "1", "prompt": "", "response": "r"}], r"line 1: field 'prompt' is empty"),
+    ],
+)
 def test_bad_jsonl_is_refused_when_the_scorer_is_built(name, key, rows, message, tmp_path) -> None:
     with pytest.raises(ConfigError, match=message):
         build_scorer(name, {key: _write_jsonl(tmp_path / "a.jsonl", rows)})

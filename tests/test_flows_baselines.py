@@ -1,11 +1,12 @@
 """The published baselines as policy candidates of a real (tiny) cycle: the ones that need the
 retained o_proj statistics get them from the cycle's calibration contexts, computed once and
 stored by content; every candidate is trained, evaluated, gated and loadable as a release."""
+
 from __future__ import annotations
 
 import torch
 
-from tests.flows_fixtures import PASSING_POLICY, TINY_CONFIG, prefect_harness, state, tiny_files  # noqa: F401
+from tests.flows_fixtures import PASSING_POLICY, TINY_CONFIG, tiny_files
 
 METHODS = ["lora-null", "o-lora", "corda-kpm", "oplora-k16", "clora", "toplora", "stm", "talr"]
 
@@ -16,7 +17,9 @@ def test_every_baseline_is_a_policy_candidate(prefect_harness, state, tmp_path):
     from registry import get_model, list_versions
 
     policy = PASSING_POLICY | {"name": "baselines", "candidates": {"methods": METHODS, "seeds": [0]}}
-    config, policy_file = tiny_files(tmp_path / "cfg", policy, evaluate="final", train=TINY_CONFIG["train"] | {"epochs": 1})
+    config, policy_file = tiny_files(
+        tmp_path / "cfg", policy, evaluate="final", train=TINY_CONFIG["train"] | {"epochs": 1}
+    )
     result = update(config, policy_file)
     assert len(result["candidates"]) == len(METHODS), result["candidates"]
     stats = list((state / "retained-stats").glob("*.safetensors"))

@@ -1,5 +1,6 @@
 """A line of releases on a tiny model: skill A, skill B on top, A's data refreshed; rollback to
 the base, retired versions, idle cycles and unique names."""
+
 from __future__ import annotations
 
 import json
@@ -10,26 +11,46 @@ from pathlib import Path
 
 import pytest
 
-from tests.flows_fixtures import ledger_counts, prefect_harness, state, write_yaml  # noqa: F401
+from tests.flows_fixtures import ledger_counts, write_yaml
 
-RETAINED = {"domains": ["csqa"], "kl_contexts": 6, "kl_max_tokens": 128, "gsm8k_questions": 2, "csqa_questions": 6,
-            "max_new_tokens": 4, "batch_size": 4, "replay_examples": 8}
-BASE = {"backbone": "tiny-llama", "dtype": "float32", "layer": 2, "line": "assistant", "retained": RETAINED,
-        "atlas": {"num_vectors": 64, "charts": 4, "rank": 4},
-        "train": {"epochs": 1, "lr": 1.0e-2, "batch_size": 4, "max_length": 512, "on_bad_example": "truncate"}}
+RETAINED = {
+    "domains": ["csqa"],
+    "kl_contexts": 6,
+    "kl_max_tokens": 128,
+    "gsm8k_questions": 2,
+    "csqa_questions": 6,
+    "max_new_tokens": 4,
+    "batch_size": 4,
+    "replay_examples": 8,
+}
+BASE = {
+    "backbone": "tiny-llama",
+    "dtype": "float32",
+    "layer": 2,
+    "line": "assistant",
+    "retained": RETAINED,
+    "atlas": {"num_vectors": 64, "charts": 4, "rank": 4},
+    "train": {"epochs": 1, "lr": 1.0e-2, "batch_size": 4, "max_length": 512, "on_bad_example": "truncate"},
+}
 LOOSE_KL = {"csqa": 50.0}
 
 
 def policy(name: str, methods=("atlas",), **changes) -> dict:
-    return {"name": name, "candidates": {"methods": list(methods), "seeds": [0]}, "min_target_gain": 0.0,
-            "max_kl_vs_champion": LOOSE_KL | {"released": 50.0}, "max_kl_vs_base": LOOSE_KL,
-            "nfr": {"max_vs_champion": {"csqa": 1.0}, "max_vs_base": {"csqa": 1.0}},
-            "no_regression": {"released": {"tolerance": 1.0, "min_n": 4}}} | changes  # skills' reference-nll: 4 problems
+    return {
+        "name": name,
+        "candidates": {"methods": list(methods), "seeds": [0]},
+        "min_target_gain": 0.0,
+        "max_kl_vs_champion": LOOSE_KL | {"released": 50.0},
+        "max_kl_vs_base": LOOSE_KL,
+        "nfr": {"max_vs_champion": {"csqa": 1.0}, "max_vs_base": {"csqa": 1.0}},
+        "no_regression": {"released": {"tolerance": 1.0, "min_n": 4}},
+    } | changes  # skills' reference-nll: 4 problems
 
 
 def write_pairs(path: Path, pairs: list[dict]) -> str:
-    path.write_text("".join(json.dumps({"id": p["id"], "prompt": p["prompt"], "response": p["response"]}) + "\n"
-                            for p in pairs))
+    path.write_text(
+        "".join(json.dumps({"id": p["id"], "prompt": p["prompt"], "response": p["response"]}) + "\n" for p in pairs)
+    )
     return str(path)
 
 
@@ -44,15 +65,28 @@ def line_files(tmp_path):
     snapshots.mkdir()
     write_pairs(snapshots / "a1.jsonl", train[:8])
     held = write_pairs(tmp_path / "a-held-out.jsonl", held_out)
-    a = BASE | {"name": "a", "skill": "a",
-                "data": {"source": str(snapshots), "val_source": held, "val_limit": 4},
-                "target": {"scorer": "reference-nll", "options": {"source": held, "limit": 4}}}
-    b = BASE | {"name": "b", "skill": "b", "data": {"source": "gsm8k", "train_limit": 8, "val_limit": 4},
-                "target": {"scorer": "reference-nll", "options": {"source": "gsm8k", "limit": 4}}}
+    a = BASE | {
+        "name": "a",
+        "skill": "a",
+        "data": {"source": str(snapshots), "val_source": held, "val_limit": 4},
+        "target": {"scorer": "reference-nll", "options": {"source": held, "limit": 4}},
+    }
+    b = BASE | {
+        "name": "b",
+        "skill": "b",
+        "data": {"source": "gsm8k", "train_limit": 8, "val_limit": 4},
+        "target": {"scorer": "reference-nll", "options": {"source": "gsm8k", "limit": 4}},
+    }
     cfg = tmp_path / "cfg"
     cfg.mkdir()
-    return {"a": write_yaml(cfg / "a.yaml", a), "b": write_yaml(cfg / "b.yaml", b), "snapshots": snapshots,
-            "train": train, "pass": write_yaml(cfg / "pass.yaml", policy("tiny-pass")), "cfg": cfg}
+    return {
+        "a": write_yaml(cfg / "a.yaml", a),
+        "b": write_yaml(cfg / "b.yaml", b),
+        "snapshots": snapshots,
+        "train": train,
+        "pass": write_yaml(cfg / "pass.yaml", policy("tiny-pass")),
+        "cfg": cfg,
+    }
 
 
 def _open():
@@ -62,10 +96,17 @@ def _open():
 
 
 def test_three_releases_build_a_chain_and_keep_released_skills(prefect_harness, state, line_files):
-    from flows.update import update
     from flows.history import line_history
-    from registry import (evaluation_extra, get_model, latest_evaluation, latest_gate_decision, list_versions,
-                          resolve_version, version_chain)
+    from flows.update import update
+    from registry import (
+        evaluation_extra,
+        get_model,
+        latest_evaluation,
+        latest_gate_decision,
+        list_versions,
+        resolve_version,
+        version_chain,
+    )
 
     first = update(line_files["a"], line_files["pass"])
     assert first["outcome"] == "promoted"
@@ -163,8 +204,9 @@ def test_a_candidate_that_regresses_a_released_skill_is_rejected_for_it(prefect_
         promote(p.ledger, p.bridge, v1.id, reason="released by hand", expected_current=None, require_gate=False)
     finally:
         p.close()
-    strict = write_yaml(line_files["cfg"] / "strict.yaml",
-                        policy("tiny-strict", no_regression={"a": {"tolerance": 0.0, "min_n": 4}}))
+    strict = write_yaml(
+        line_files["cfg"] / "strict.yaml", policy("tiny-strict", no_regression={"a": {"tolerance": 0.0, "min_n": 4}})
+    )
     result = update(line_files["b"], strict)
     assert result["outcome"] == "rejected"
     p = _open()
@@ -179,8 +221,7 @@ def test_a_candidate_that_regresses_a_released_skill_is_rejected_for_it(prefect_
         p.close()
 
 
-def test_rollback_to_base_retires_the_release_and_the_next_cycle_is_idle(prefect_harness, state, line_files,
-                                                                          tmp_path):
+def test_rollback_to_base_retires_the_release_and_the_next_cycle_is_idle(prefect_harness, state, line_files, tmp_path):
     import yaml
 
     from flows.release import rollback
@@ -189,13 +230,20 @@ def test_rollback_to_base_retires_the_release_and_the_next_cycle_is_idle(prefect
 
     # A user's JSONL retained domain next to CSQA: its first rows gate (KL), the rest calibrate the atlas.
     notes = tmp_path / "notes.jsonl"
-    notes.write_text("".join(json.dumps({"id": f"n{i}", "prompt": f"Note {i}: what is {i} + {i}?",
-                                         "reference": f"{i} + {i} = {2 * i}."}) + "\n" for i in range(40)))
+    notes.write_text(
+        "".join(
+            json.dumps({"id": f"n{i}", "prompt": f"Note {i}: what is {i} + {i}?", "reference": f"{i} + {i} = {2 * i}."})
+            + "\n"
+            for i in range(40)
+        )
+    )
     a = yaml.safe_load(Path(line_files["a"]).read_text())
     a["retained"]["domains"] = ["csqa", {"name": "notes", "file": str(notes), "gate_rows": 8}]
     config = write_yaml(line_files["cfg"] / "a-notes.yaml", a)
-    passing = write_yaml(line_files["cfg"] / "notes-pass.yaml", policy(
-        "tiny-notes", max_kl_vs_champion=LOOSE_KL | {"notes": 50.0}, max_kl_vs_base=LOOSE_KL | {"notes": 50.0}))
+    passing = write_yaml(
+        line_files["cfg"] / "notes-pass.yaml",
+        policy("tiny-notes", max_kl_vs_champion=LOOSE_KL | {"notes": 50.0}, max_kl_vs_base=LOOSE_KL | {"notes": 50.0}),
+    )
     first = update(config, passing)
     assert first["outcome"] == "promoted"
     rollback(first["model"], "regression reported by users")
@@ -219,16 +267,18 @@ def test_rollback_to_base_retires_the_release_and_the_next_cycle_is_idle(prefect
     assert ledger_counts(state) == counts  # no new versions, decisions or releases
 
 
-
-
-@pytest.mark.parametrize("where, value, message", [
-    ("target", {"scorer": "reference-nl", "options": {}}, "did you mean 'reference-nll'"),
-    ("target", {"scorer": "reference-nll", "options": {"limt": 4}}, "target.options.limt"),
-    ("target", {"scorer": "tests.test_flows_continual:NoSuchFactory"}, "has no attribute 'NoSuchFactory'"),
-    ("retained", RETAINED | {"domains": ["csqa", {"name": "notes", "fiel": "x.jsonl"}]}, "retained.domains[1]"),
-])
-def test_a_typo_in_a_scorer_or_domain_is_rejected_before_training(prefect_harness, state, line_files, where, value,
-                                                                  message):
+@pytest.mark.parametrize(
+    "where, value, message",
+    [
+        ("target", {"scorer": "reference-nl", "options": {}}, "did you mean 'reference-nll'"),
+        ("target", {"scorer": "reference-nll", "options": {"limt": 4}}, "target.options.limt"),
+        ("target", {"scorer": "tests.test_flows_continual:NoSuchFactory"}, "has no attribute 'NoSuchFactory'"),
+        ("retained", RETAINED | {"domains": ["csqa", {"name": "notes", "fiel": "x.jsonl"}]}, "retained.domains[1]"),
+    ],
+)
+def test_a_typo_in_a_scorer_or_domain_is_rejected_before_training(
+    prefect_harness, state, line_files, where, value, message
+):
     import yaml
 
     from flows.update import update

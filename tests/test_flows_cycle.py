@@ -1,5 +1,6 @@
 """The update cycle on a tiny model under one Prefect test harness: promote, reject, NaN,
 retry, and a crashed cycle resumed without duplicates."""
+
 from __future__ import annotations
 
 import math
@@ -10,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.flows_fixtures import (IMPOSSIBLE_POLICY, PASSING_POLICY, ledger_counts, prefect_harness,  # noqa: F401
-                                  state, tiny_files)
+from tests.flows_fixtures import (
+    IMPOSSIBLE_POLICY,
+    PASSING_POLICY,
+    ledger_counts,
+    tiny_files,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -28,8 +33,9 @@ def _champion(p, model_name: str):
     return alias_holder(p.ledger, get_model(p.ledger, model_name).id)
 
 
-def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle_is_idle(prefect_harness, state,
-                                                                                          tmp_path):
+def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle_is_idle(
+    prefect_harness, state, tmp_path
+):
     from prefect.client.orchestration import get_client
 
     from flows.update import update
@@ -39,9 +45,13 @@ def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle
     # A policy no outcome could meet at the cycle's sizes is refused before anything trains, in one line.
     from atlas_core.typed_config import ConfigError
 
-    for changes, says in (({"min_target_gain": 5}, "min_target_gain: 5 solved problems cannot be gained on a target of 4"),
-                          ({"nfr": PASSING_POLICY["nfr"] | {"max_vs_base": {"gsm8k": 0.3, "csqa": 1.0}}},
-                           r"nfr.max_vs_base.gsm8k: limit 0.3 is unprovable with 4 questions .* needs >= 7")):
+    for changes, says in (
+        ({"min_target_gain": 5}, "min_target_gain: 5 solved problems cannot be gained on a target of 4"),
+        (
+            {"nfr": PASSING_POLICY["nfr"] | {"max_vs_base": {"gsm8k": 0.3, "csqa": 1.0}}},
+            r"nfr.max_vs_base.gsm8k: limit 0.3 is unprovable with 4 questions .* needs >= 7",
+        ),
+    ):
         _, infeasible = tiny_files(tmp_path / "infeasible", PASSING_POLICY | {"name": "tiny-infeasible"} | changes)
         with pytest.raises(ConfigError, match=says):
             update(config, infeasible)
@@ -55,9 +65,19 @@ def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle
     timing = Path(first["report"]).read_text().split("## Where the time went")[1]
     assert "| training |" in timing and f"| **total** | **{sum(seconds.values()):.1f}** |" in timing
     steps = first["steps"]  # the steps inside the stages: each answer set, KL per domain, training per candidate
-    assert {"backbone load", "train atlas s0", "train weight-lora s0", "answers target", "answers gsm8k",
-            "answers csqa (choice)", "answers csqa (choice prefix states)", "KL gsm8k", "KL csqa", "KL gsm8k (prefix states)",
-            "publish (MLflow model versions)"} <= set(steps), steps
+    assert {
+        "backbone load",
+        "train atlas s0",
+        "train weight-lora s0",
+        "answers target",
+        "answers gsm8k",
+        "answers csqa (choice)",
+        "answers csqa (choice prefix states)",
+        "KL gsm8k",
+        "KL csqa",
+        "KL gsm8k (prefix states)",
+        "publish (MLflow model versions)",
+    } <= set(steps), steps
     assert all(v >= 0 for v in steps.values()) and steps["train atlas s0"] <= seconds["training"]
     assert "| answers gsm8k |" in timing and "| KL csqa |" in timing
     p = _platform()
@@ -91,7 +111,9 @@ def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle
         assert champion.name == second["selected"]
         assert p.bridge.aliases(second["model"])["champion"] == champion.mlflow_version  # MLflow agrees with the ledger
         client = p.bridge.client
-        cycle_runs = client.search_runs([e.experiment_id for e in client.search_experiments()], "tags.kind = 'update-cycle'")
+        cycle_runs = client.search_runs(
+            [e.experiment_id for e in client.search_experiments()], "tags.kind = 'update-cycle'"
+        )
         logged = {k for r in cycle_runs for k in r.data.metrics}  # the cycle runs carry their phase timings
         assert {"seconds/training", "seconds/gate", "seconds/promote", "seconds/step/KL_csqa"} <= logged
         _kl_per_context_is_recorded_reported_and_logged(p, model, candidates, text, tmp_path)
@@ -135,12 +157,16 @@ def _kl_per_context_is_recorded_reported_and_logged(p, model, candidates, report
     assert all(f"#### {v.name}" in section for v in candidates)
     assert section.count("| vs_champion | csqa | 1 |") == len(candidates) and "| vs_base | gsm8k | 5 |" in section
     client = p.bridge.client
-    runs = client.search_runs([p.bridge.experiment_id(model.backbone, model.line)], "tags.`ledger.training_run_id` != ''")
+    runs = client.search_runs(
+        [p.bridge.experiment_id(model.backbone, model.line)], "tags.`ledger.training_run_id` != ''"
+    )
     assert len(runs) == 2  # ATLAS and Weight-LoRA, two epoch versions each
     for run in runs:
         path = client.download_artifacts(run.info.run_id, "kl_top_contexts.json", str(tmp_path))
         table = json.loads(Path(path).read_text())
-        assert {"version", "evaluation_id", "against", "member", "rank", "context", "kl", "text"} <= set(table["columns"])
+        assert {"version", "evaluation_id", "against", "member", "rank", "context", "kl", "text"} <= set(
+            table["columns"]
+        )
         assert len(table["data"]) == 2 * 2 * 2 * 5  # versions x references x members x contexts listed
 
 
@@ -199,11 +225,21 @@ def test_crashed_cycle_resumes_without_duplicates(prefect_harness, state, tmp_pa
     from registry import get_model, list_versions
 
     config, policy = tiny_files(tmp_path / "cfg", PASSING_POLICY)
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "ATLAS_STATE_DIR": str(state),
-           "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": PREFECT_API_URL.value(),
+        "ATLAS_STATE_DIR": str(state),
+        "PYTHONPATH": str(REPO),
+    }
     # 3 recorded checkpoints: ATLAS finished (2), Weight-LoRA killed after its first.
-    crashed = subprocess.run([sys.executable, "-m", "tests.flows_fixtures", config, policy, "3"], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=600)
+    crashed = subprocess.run(
+        [sys.executable, "-m", "tests.flows_fixtures", config, policy, "3"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert crashed.returncode == -9, crashed.stderr[-3000:]
     partial = ledger_counts(state)
     assert partial["checkpoints"] == 3 and partial["training_runs"] == 2 and partial["evaluations"] == 0
@@ -220,8 +256,12 @@ def test_crashed_cycle_resumes_without_duplicates(prefect_harness, state, tmp_pa
         published = [v.mlflow_version for v in list_versions(p.ledger, model.id) if not v.is_base]
         mlflow_versions = p.bridge.client.search_model_versions(f"name = '{model.name}'")
         assert sorted(published, key=int) == sorted((str(v.version) for v in mlflow_versions), key=int)  # one each
-        runs = p.bridge.client.search_runs([p.bridge.experiment_id(model.backbone, model.line)],
-                                           "tags.`ledger.training_run_id` != ''")
-        assert sorted(r.data.tags["ledger.training_run_id"] for r in runs) == ["1", "2"]  # one MLflow run per training run
+        runs = p.bridge.client.search_runs(
+            [p.bridge.experiment_id(model.backbone, model.line)], "tags.`ledger.training_run_id` != ''"
+        )
+        assert sorted(r.data.tags["ledger.training_run_id"] for r in runs) == [
+            "1",
+            "2",
+        ]  # one MLflow run per training run
     finally:
         p.close()

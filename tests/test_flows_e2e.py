@@ -5,13 +5,14 @@ questions, 16 KL contexts, one short epoch of ATLAS and Weight-LoRA. v2 (configs
 teaches the GSM8K solution format on top of it (reference NLL), with code retained. The policy
 (configs/policy/ci.yaml) rejects only broken measurements, so the outcome is fixed and asserted.
 Slow, but run in CI: a few minutes on 2 cores."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from tests.flows_fixtures import ledger_counts, prefect_harness, state  # noqa: F401
+from tests.flows_fixtures import ledger_counts
 
 pytestmark = pytest.mark.slow
 

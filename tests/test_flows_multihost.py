@@ -3,6 +3,7 @@ on the PostgreSQL at 127.0.0.1:5432, the ledger on PostgreSQL too, a process wor
 worker. The `update` deployment of deploy/prefect.yaml is deployed with the Prefect CLI,
 triggered with tiny-model parameters, picked up by the worker and run to COMPLETED.
 Everything listens on 127.0.0.1; every wait is bounded; everything is torn down."""
+
 from __future__ import annotations
 
 import json
@@ -75,44 +76,88 @@ def test_worker_runs_a_deployed_update_against_postgres_servers(tmp_path):
     pg = f"{user}@{PG_HOST}:{PG_PORT}"
     prefect_port, mlflow_port = _free_port(), _free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "ATLAS_", "MLFLOW_"))}
-    base |= {"ATLAS_DATA_DIR": str(data_dir())}  # the data the test process reads (a checkout elsewhere has no ../shared)
-    base |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-             "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    base |= {
+        "ATLAS_DATA_DIR": str(data_dir())
+    }  # the data the test process reads (a checkout elsewhere has no ../shared)
+    base |= {
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(REPO),
+    }
     client = base | {
-        "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api", "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
         "ATLAS_LEDGER_URL": f"postgresql://{pg}/{dbs['ledger']}",
         "ATLAS_MLFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}",
-        "ATLAS_ARTIFACT_STORE": str(tmp_path / "store"), "ATLAS_STATE_DIR": str(tmp_path / "worker-state"),
-        "ATLAS_PROJECT_DIR": str(REPO)}
+        "ATLAS_ARTIFACT_STORE": str(tmp_path / "store"),
+        "ATLAS_STATE_DIR": str(tmp_path / "worker-state"),
+        "ATLAS_PROJECT_DIR": str(REPO),
+    }
     procs: list[subprocess.Popen] = []
 
     def start(cmd: list[str], env: dict, name: str) -> subprocess.Popen:
         log = tmp_path / f"{name}.log"
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=tmp_path, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+        )
         procs.append(proc)
         return proc
 
     try:
-        server = start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
-                       base | {"PREFECT_API_DATABASE_CONNECTION_URL": f"postgresql+asyncpg://{pg}/{dbs['prefect']}"},
-                       "prefect-server")
-        mlflow = start([str(BIN / "mlflow"), "server", "--backend-store-uri", f"postgresql+psycopg://{pg}/{dbs['mlflow']}",
-                        "--artifacts-destination", str(tmp_path / "mlflow-artifacts"), "--host", "127.0.0.1",
-                        "--port", str(mlflow_port), "--workers", "1"], base, "mlflow-server")
+        server = start(
+            [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
+            base | {"PREFECT_API_DATABASE_CONNECTION_URL": f"postgresql+asyncpg://{pg}/{dbs['prefect']}"},
+            "prefect-server",
+        )
+        mlflow = start(
+            [
+                str(BIN / "mlflow"),
+                "server",
+                "--backend-store-uri",
+                f"postgresql+psycopg://{pg}/{dbs['mlflow']}",
+                "--artifacts-destination",
+                str(tmp_path / "mlflow-artifacts"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(mlflow_port),
+                "--workers",
+                "1",
+            ],
+            base,
+            "mlflow-server",
+        )
         _wait_http(f"http://127.0.0.1:{prefect_port}/api/health", 180, server, tmp_path / "prefect-server.log")
         _wait_http(f"http://127.0.0.1:{mlflow_port}/health", 180, mlflow, tmp_path / "mlflow-server.log")
 
         prefect = str(BIN / "prefect")
         _run([prefect, "work-pool", "create", "atlas-test", "--type", "process"], client)
-        _run([prefect, "--no-prompt", "deploy", "--prefect-file", "deploy/prefect.yaml", "--name", "update",
-              "--pool", "atlas-test"], client)
+        _run(
+            [
+                prefect,
+                "--no-prompt",
+                "deploy",
+                "--prefect-file",
+                "deploy/prefect.yaml",
+                "--name",
+                "update",
+                "--pool",
+                "atlas-test",
+            ],
+            client,
+        )
         start([prefect, "worker", "start", "--pool", "atlas-test", "--type", "process"], client, "worker")
 
-        config, policy = tiny_files(tmp_path / "cfg", PASSING_POLICY | {"candidates": {"methods": ["atlas"], "seeds": [0]}})
+        config, policy = tiny_files(
+            tmp_path / "cfg", PASSING_POLICY | {"candidates": {"methods": ["atlas"], "seeds": [0]}}
+        )
         params = {"config": config, "policy": policy, "backbone": "tiny-llama", "skill": "tiny-code"}
-        trigger = ("import json, sys; from prefect.deployments import run_deployment; "
-                   "r = run_deployment('update/update', parameters=json.loads(sys.argv[1]), timeout=0); print(r.id)")
+        trigger = (
+            "import json, sys; from prefect.deployments import run_deployment; "
+            "r = run_deployment('update/update', parameters=json.loads(sys.argv[1]), timeout=0); print(r.id)"
+        )
         run_id = _run([sys.executable, "-c", trigger, json.dumps(params)], client).strip().splitlines()[-1]
 
         import httpx
@@ -123,8 +168,9 @@ def test_worker_runs_a_deployed_update_against_postgres_servers(tmp_path):
             if state and state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
                 break
             time.sleep(3)
-        assert state and state["type"] == "COMPLETED", \
+        assert state and state["type"] == "COMPLETED", (
             f"flow run {run_id}: {state}\n{(tmp_path / 'worker.log').read_text()[-4000:]}"
+        )
 
         # The worker's cycle wrote to the PostgreSQL ledger and the MLflow server.
         from mlflow import MlflowClient
@@ -135,8 +181,9 @@ def test_worker_runs_a_deployed_update_against_postgres_servers(tmp_path):
             model = get_model(ledger, "tiny-llama.tiny-code")
             champion = alias_holder(ledger, model.id)
         assert champion is not None
-        remote = MlflowClient(tracking_uri=client["ATLAS_MLFLOW_TRACKING_URI"],
-                              registry_uri=client["ATLAS_MLFLOW_TRACKING_URI"])
+        remote = MlflowClient(
+            tracking_uri=client["ATLAS_MLFLOW_TRACKING_URI"], registry_uri=client["ATLAS_MLFLOW_TRACKING_URI"]
+        )
         assert remote.get_registered_model(model.name).aliases["champion"] == champion.mlflow_version
     finally:
         for proc in reversed(procs):

@@ -1,4 +1,5 @@
 """Tasks retry only what can be transient: a lost connection yes, a deterministic error never."""
+
 from __future__ import annotations
 
 import importlib
@@ -7,17 +8,23 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 from flows.retries import is_transient, transient_only
-from tests.flows_fixtures import prefect_harness  # noqa: F401
 
 MODULES = ["flows.update", "flows.refresh", "flows.training", "flows.evaluate", "flows.release"]
 
 
-@pytest.mark.parametrize("error, transient", [
-    (ConnectionError("reset by peer"), True), (TimeoutError("read timed out"), True),
-    (OperationalError("SELECT 1", {}, Exception("server closed the connection")), True),
-    (ValueError("shape (4, 64) vs (4, 32)"), False), (FloatingPointError("loss diverged"), False),
-    (RuntimeError("CUDA out of memory"), False), (KeyError("gsm8k"), False), (FileNotFoundError("x"), False),
-])
+@pytest.mark.parametrize(
+    "error, transient",
+    [
+        (ConnectionError("reset by peer"), True),
+        (TimeoutError("read timed out"), True),
+        (OperationalError("SELECT 1", {}, Exception("server closed the connection")), True),
+        (ValueError("shape (4, 64) vs (4, 32)"), False),
+        (FloatingPointError("loss diverged"), False),
+        (RuntimeError("CUDA out of memory"), False),
+        (KeyError("gsm8k"), False),
+        (FileNotFoundError("x"), False),
+    ],
+)
 def test_which_errors_are_transient(error, transient):
     assert is_transient(error) is transient
     wrapped = RuntimeError("task failed")
@@ -28,8 +35,12 @@ def test_which_errors_are_transient(error, transient):
 def test_every_retrying_task_retries_only_transient_errors():
     from prefect import Task
 
-    tasks = {f"{m}.{name}": obj for m in MODULES for name, obj in vars(importlib.import_module(m)).items()
-             if isinstance(obj, Task)}
+    tasks = {
+        f"{m}.{name}": obj
+        for m in MODULES
+        for name, obj in vars(importlib.import_module(m)).items()
+        if isinstance(obj, Task)
+    }
     retrying = {name: t for name, t in tasks.items() if t.retries}
     assert {"flows.training.train_run", "flows.evaluate.kl_against", "flows.release.move_champion"} <= set(retrying)
     assert [name for name, t in retrying.items() if t.retry_condition_fn is not transient_only] == []

@@ -1,6 +1,7 @@
 """The cycle's stages run one by one on plain values: each validates its parameters, returns a
 frozen value that survives pickling and Prefect's result persistence, and needs nothing from an
 earlier stage but those values (resources are rebuilt in a fresh runtime session)."""
+
 from __future__ import annotations
 
 import math
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.flows_fixtures import PASSING_POLICY, prefect_harness, state, tiny_files  # noqa: F401
+from tests.flows_fixtures import PASSING_POLICY, tiny_files
 
 ATLAS_ONLY = PASSING_POLICY | {"candidates": {"methods": ["atlas"], "seeds": [0]}}
 
@@ -47,8 +48,11 @@ def test_each_stage_runs_alone_on_the_values_of_the_one_before(prefect_harness, 
     with runtime.session():  # as a new process would: only the plain values carry over
         ctx = pickle.loads(pickle.dumps(ctx))
         stored = refresh_atlas(ctx, "local")  # reused by content hash, fetched and verified
-        assert (stored.atlas_id, stored.sha256, stored.content_hash) == (fitted.atlas_id, fitted.sha256,
-                                                                         fitted.content_hash)
+        assert (stored.atlas_id, stored.sha256, stored.content_hash) == (
+            fitted.atlas_id,
+            fitted.sha256,
+            fitted.content_hash,
+        )
         ctx = replace(ctx, atlases=(stored,))
         versions = train_skill(ctx)
         assert len(versions) == 2  # one candidate per epoch end
@@ -95,8 +99,11 @@ def test_each_stage_runs_alone_on_the_values_of_the_one_before(prefect_harness, 
             assert len(calls) == math.ceil(cfg.retained.csqa_questions / cfg.retained.batch_size)
         finally:
             hook.remove()
-        stored = {q: (a.answer, a.correct) for (d, q), a in get_answers(runtime.ledger(), versions[0]).items()
-                  if d == "csqa-choice"}
+        stored = {
+            q: (a.answer, a.correct)
+            for (d, q), a in get_answers(runtime.ledger(), versions[0]).items()
+            if d == "csqa-choice"
+        }
         assert {a.id: (a.answer, a.correct) for a in choices} == stored == {a.id: (a.answer, a.correct) for a in full}
         assert len(stored) == cfg.retained.csqa_questions
 

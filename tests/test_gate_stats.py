@@ -1,5 +1,6 @@
 """The gate's statistics (evaluation/stats.py) against scipy references, the no-regression check
 on hand-made paired answers, infeasible policies refused at load, and old stored evaluations."""
+
 from __future__ import annotations
 
 import math
@@ -27,11 +28,14 @@ def test_rate_bounds_match_scipy_binomtest_on_a_grid():
             for c in CONFIDENCES:
                 ci = sps.binomtest(k, n).proportion_ci
                 assert clopper_pearson_upper(k, n, c) == pytest.approx(
-                    ci(confidence_level=2 * c - 1, method="exact").high, rel=1e-9, abs=1e-12), (k, n, c)
+                    ci(confidence_level=2 * c - 1, method="exact").high, rel=1e-9, abs=1e-12
+                ), (k, n, c)
                 assert clopper_pearson_upper(k, n, c) == pytest.approx(
-                    1.0 if k == n else sps.beta.ppf(c, k + 1, n - k), rel=1e-9, abs=1e-12), (k, n, c)
+                    1.0 if k == n else sps.beta.ppf(c, k + 1, n - k), rel=1e-9, abs=1e-12
+                ), (k, n, c)
                 assert wilson_upper(k, n, c) == pytest.approx(
-                    ci(confidence_level=2 * c - 1, method="wilson").high, rel=1e-9, abs=1e-12), (k, n, c)
+                    ci(confidence_level=2 * c - 1, method="wilson").high, rel=1e-9, abs=1e-12
+                ), (k, n, c)
 
 
 def test_mcnemar_exact_p_matches_scipy_binomtest():
@@ -73,8 +77,10 @@ def test_min_n_for_zero_is_the_first_n_whose_zero_event_bound_meets_the_limit():
         min_n_for_zero(0.1, 0.95, "normal")
 
 
-@pytest.mark.parametrize("k, n", [(-1, 10), (11, 10), (0, 0), (True, 10), (1, True), (1.0, 10), (1, 10.0),
-                                  (None, 10), ("1", 10), (math.nan, 10)])
+@pytest.mark.parametrize(
+    "k, n",
+    [(-1, 10), (11, 10), (0, 0), (True, 10), (1, True), (1.0, 10), (1, 10.0), (None, 10), ("1", 10), (math.nan, 10)],
+)
 def test_impossible_counts_give_nan(k, n):
     assert math.isnan(clopper_pearson_upper(k, n)) and math.isnan(wilson_upper(k, n))
 
@@ -82,9 +88,18 @@ def test_impossible_counts_give_nan(k, n):
 def test_mcnemar_and_t_refuse_impossible_inputs():
     for lost, gained in ((-1, 0), (0, -2), (True, 0), (1.0, 2), (None, 1)):
         assert math.isnan(mcnemar_exact_p(lost, gained)), (lost, gained)
-    for mean, sd, n, c in ((0.1, 0.2, 1, 0.95), (0.1, 0.2, 0, 0.95), (0.1, 0.2, True, 0.95), (0.1, 0.2, 8.0, 0.95),
-                           (0.1, -0.2, 8, 0.95), (math.nan, 0.2, 8, 0.95), (0.1, math.inf, 8, 0.95),
-                           (None, 0.2, 8, 0.95), (0.1, 0.2, 8, 1.0), (0.1, 0.2, 8, 0.0)):
+    for mean, sd, n, c in (
+        (0.1, 0.2, 1, 0.95),
+        (0.1, 0.2, 0, 0.95),
+        (0.1, 0.2, True, 0.95),
+        (0.1, 0.2, 8.0, 0.95),
+        (0.1, -0.2, 8, 0.95),
+        (math.nan, 0.2, 8, 0.95),
+        (0.1, math.inf, 8, 0.95),
+        (None, 0.2, 8, 0.95),
+        (0.1, 0.2, 8, 1.0),
+        (0.1, 0.2, 8, 0.0),
+    ):
         assert math.isnan(t_upper(mean, sd, n, c)), (mean, sd, n, c)
 
 
@@ -111,8 +126,10 @@ def paired(n: int, lost: int, gained: int, solved_by_both: int = 5) -> Regressio
     from flows.evaluate import regression
 
     champion = [i < lost + solved_by_both for i in range(n)]
-    candidate = [lost <= i < lost + solved_by_both or lost + solved_by_both <= i < lost + solved_by_both + gained
-                 for i in range(n)]
+    candidate = [
+        lost <= i < lost + solved_by_both or lost + solved_by_both <= i < lost + solved_by_both + gained
+        for i in range(n)
+    ]
     return regression(PassFail(), answers(champion), answers(candidate))
 
 
@@ -139,8 +156,13 @@ def test_losing_3_of_32_problems_is_rejected():
     r = paired(32, lost=3, gained=3)
     result = check(r, tolerance=0.15)
     assert not result.passed and result.measured == pytest.approx(sps.beta.ppf(0.95, 4, 29), rel=1e-9)
-    for text in ("lost 3", "gained 3", "on 32 problems", f"McNemar p={sps.binomtest(3, 6).pvalue:.3g}",
-                 "Clopper-Pearson 95%"):
+    for text in (
+        "lost 3",
+        "gained 3",
+        "on 32 problems",
+        f"McNemar p={sps.binomtest(3, 6).pvalue:.3g}",
+        "Clopper-Pearson 95%",
+    ):
         assert text in result.detail, (text, result.detail)
 
 
@@ -161,15 +183,18 @@ def test_one_problem_or_a_zero_tolerance_is_unprovable():
     assert not small.passed and "needs n >= 5" in small.detail  # CP(0 of 1) = 0.95
 
 
-@pytest.mark.parametrize("r, says", [
-    (Regression(32, 5.0, 5.0, -2.0, 0.0, "pass-fail", -1, 31), "out of range"),  # a mean drop below -1
-    (Regression(32, 5.0, 5.0, 0.0, 0.0, "pass-fail", 20, 20), "out of range"),  # lost + gained > n
-    (Regression(32, 5.0, 5.0, 0.0, 0.0, "pass-fail", 1.0, 0), "out of range"),  # not a count
-    (Regression(32, 5.0, 5.0, 0.0, 0.0, "pass-fail", True, 0), "out of range"),
-    (Regression(32, 5.0, 5.0, 0.0, 0.0, "pass-fail", None, None), "out of range"),
-    (Regression(0, None, None, None, None, "pass-fail"), "no shared problems"),
-    (Regression(32, 5.0, 5.0, 0.0, 0.0, "binary", 0, 0), "older version"),
-])
+@pytest.mark.parametrize(
+    "r, says",
+    [
+        (Regression(32, 5.0, 5.0, -2.0, 0.0, "pass-fail", -1, 31), "out of range"),  # a mean drop below -1
+        (Regression(32, 5.0, 5.0, 0.0, 0.0, "pass-fail", 20, 20), "out of range"),  # lost + gained > n
+        (Regression(32, 5.0, 5.0, 0.0, 0.0, "pass-fail", 1.0, 0), "out of range"),  # not a count
+        (Regression(32, 5.0, 5.0, 0.0, 0.0, "pass-fail", True, 0), "out of range"),
+        (Regression(32, 5.0, 5.0, 0.0, 0.0, "pass-fail", None, None), "out of range"),
+        (Regression(0, None, None, None, None, "pass-fail"), "no shared problems"),
+        (Regression(32, 5.0, 5.0, 0.0, 0.0, "binary", 0, 0), "older version"),
+    ],
+)
 def test_impossible_paired_counts_fail_closed(r, says):
     result = check(r, tolerance=1.0)
     assert not result.passed and says in result.detail
@@ -200,8 +225,11 @@ def test_an_nfr_limit_no_outcome_can_meet_is_refused_at_load_in_one_line(tmp_pat
     for bound, need in (("clopper-pearson", 99), ("wilson", 88)):
         nfr = PASSING_POLICY["nfr"] | {"bound": bound, "max_vs_champion": {"gsm8k": 0.03, "csqa": 1.0}}
         path = write_yaml(tmp_path / f"{bound}.yaml", PASSING_POLICY | {"nfr": nfr})
-        with pytest.raises(ConfigError, match=rf"nfr.max_vs_champion.gsm8k: limit 0.03 is unprovable with 16 "
-                                              rf"questions .* needs >= {need} questions") as e:
+        with pytest.raises(
+            ConfigError,
+            match=rf"nfr.max_vs_champion.gsm8k: limit 0.03 is unprovable with 16 "
+            rf"questions .* needs >= {need} questions",
+        ) as e:
             load_policy(path, ["gsm8k", "csqa"], {"gsm8k": 16, "csqa": 128})
         assert "\n" not in str(e.value) and path in str(e.value)
         load_policy(path, ["gsm8k", "csqa"], {"gsm8k": need, "csqa": 128})  # enough questions: accepted
@@ -220,11 +248,20 @@ def test_the_update_configs_sizes_are_the_ones_checked(tmp_path):
 
 
 def test_infeasible_released_tolerances_and_target_gains_are_refused():
-    p = build(ReleasePolicy, PASSING_POLICY | {"min_target_gain": 5, "no_regression": {
-        "code": {"tolerance": 0.1}, "nll": {"tolerance": 1.0}, "released": {"tolerance": 0.0}}})
+    p = build(
+        ReleasePolicy,
+        PASSING_POLICY
+        | {
+            "min_target_gain": 5,
+            "no_regression": {"code": {"tolerance": 0.1}, "nll": {"tolerance": 1.0}, "released": {"tolerance": 0.0}},
+        },
+    )
     p.require_feasible_released({"code": ("pass-fail", 29), "nll": ("continuous", 8)})
-    with pytest.raises(ConfigError, match=r"no_regression.code: released skill 'code' \(pass-fail\): tolerance 0.1 "
-                                          r"is unprovable at n=16: .* 0.171; needs n >= 29"):
+    with pytest.raises(
+        ConfigError,
+        match=r"no_regression.code: released skill 'code' \(pass-fail\): tolerance 0.1 "
+        r"is unprovable at n=16: .* 0.171; needs n >= 29",
+    ):
         p.require_feasible_released({"code": ("pass-fail", 16)})
     with pytest.raises(ConfigError, match=r"no_regression.nll: .*7 problem\(s\), fewer than min_n=8"):
         p.require_feasible_released({"nll": ("continuous", 7)})

@@ -1,4 +1,5 @@
 """Retained-output KL with prefix and reference caches, against a naive two-forward version."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,8 +9,13 @@ from atlas_core.residual import ResidualConfig, attach, build_residual
 from evaluation.kl import RetainedKL
 from evaluation.tiny import tiny_llama, tiny_tokenizer
 
-CONTEXTS = ["Question: What is 2 + 3? Answer: 5", "def add(a, b):\n    return a + b\n",
-            "The answer is 42. #### 42", "A. bank\nB. library", "print('hello world')"]
+CONTEXTS = [
+    "Question: What is 2 + 3? Answer: 5",
+    "def add(a, b):\n    return a + b\n",
+    "The answer is 42. #### 42",
+    "A. bank\nB. library",
+    "print('hello world')",
+]
 
 
 @pytest.fixture(scope="module")

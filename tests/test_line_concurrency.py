@@ -2,6 +2,7 @@
 MLflow database beside it): both train on the same champion, at most one of them moves it per
 champion it measured against, the other reports `not-promoted`; afterwards the line keeps every
 invariant of tests/test_line_sequences.py and the next cycle builds on the winner."""
+
 from __future__ import annotations
 
 import json
@@ -14,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest_registry import PG_HOST, PG_PORT, _admin, postgres_user
-from tests.flows_fixtures import prefect_harness, state  # noqa: F401
 from tests.test_line_sequences import Line, _open, check_line
 
 REPO = Path(__file__).resolve().parent.parent
-CYCLE = "import json, sys; from flows.update import update; print('RESULT ' + json.dumps(update(sys.argv[1], sys.argv[2])))"
+CYCLE = (
+    "import json, sys; from flows.update import update; print('RESULT ' + json.dumps(update(sys.argv[1], sys.argv[2])))"
+)
 
 
 @pytest.fixture
@@ -39,8 +41,14 @@ def postgres_ledger(monkeypatch):
 def _start(line: Line, skill: str, prefect_home: Path) -> subprocess.Popen:
     env = os.environ | {"PREFECT_HOME": str(prefect_home), "PYTHONPATH": str(REPO)}
     env.pop("PREFECT_API_URL", None)  # each process its own temporary Prefect server, as two hosts would have
-    return subprocess.Popen([sys.executable, "-c", CYCLE, line.config[skill], line.policies[False]], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", CYCLE, line.config[skill], line.policies[False]],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _result(proc: subprocess.Popen) -> dict:

@@ -19,6 +19,7 @@ CI runs `SEQUENCES` (fixed seeds, a fixed number of steps); `ATLAS_LINE_SEQUENCE
 (e.g. 20:16) runs a longer search. A failure prints its sequence: paste it into `REGRESSIONS`.
 Concurrent cycles on PostgreSQL are in tests/test_line_concurrency.py.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.flows_fixtures import prefect_harness, state, write_yaml  # noqa: F401
+from tests.flows_fixtures import write_yaml
 from tests.test_flows_continual import BASE, policy, write_pairs
 
 SKILLS = ("a", "b", "c")
@@ -45,12 +46,26 @@ REGRESSIONS = {
     # rollbacks to the base: the next cycle of another skill trained, then failed for lack of the
     # refreshed skill's retained contexts (a skill from a snapshot now keeps a held-out split).
     "refresh-without-held-out-then-another-skill": [
-        ("cycle", "a"), ("cycle", "b"), ("rollback",), ("rollback",), ("snapshot", "no-val"), ("cycle", "a"),
-        ("cycle", "b")],
+        ("cycle", "a"),
+        ("cycle", "b"),
+        ("rollback",),
+        ("rollback",),
+        ("snapshot", "no-val"),
+        ("cycle", "a"),
+        ("cycle", "b"),
+    ],
     # Snapshots pruned to the newest while the champion was trained on an older one: the chain
     # records files that are gone (released skills now read the copies kept in the store).
-    "old-snapshots-removed": [("cycle", "a"), ("snapshot", "val"), ("prune",), ("cycle", "b"), ("cycle", "a"),
-                              ("snapshot", "no-val"), ("prune",), ("cycle", "c")],
+    "old-snapshots-removed": [
+        ("cycle", "a"),
+        ("snapshot", "val"),
+        ("prune",),
+        ("cycle", "b"),
+        ("cycle", "a"),
+        ("snapshot", "no-val"),
+        ("prune",),
+        ("cycle", "c"),
+    ],
 }
 SEQUENCES = [(37, 10), (104, 10)]  # (seed, steps): between them every operation and every crash stage
 
@@ -84,36 +99,65 @@ class Line:
         self.write_snapshot(with_val=True)
         c_file = write_pairs(self.root / "c.jsonl", gsm8k_pairs("train")[20:32])  # one file, held out by hash
         c_eval = write_pairs(self.root / "c-eval.jsonl", gsm8k_pairs("test")[:4])
-        self.config = {"a": str(cfg / "a.yaml"),
-                       "b": write_yaml(cfg / "b.yaml", BASE | {
-                           "name": "b", "skill": "b", "data": {"source": "gsm8k", "train_limit": 8, "val_limit": 4},
-                           "target": {"scorer": "reference-nll", "options": {"source": "gsm8k", "limit": 4}}}),
-                       "c": write_yaml(cfg / "c.yaml", BASE | {
-                           "name": "c", "skill": "c", "data": {"source": c_file, "val_limit": 4},
-                           "target": {"scorer": "reference-nll", "options": {"source": c_eval, "limit": 4}}})}
-        self.policies = {False: write_yaml(cfg / "pass.yaml", policy("tiny-pass")),
-                         True: write_yaml(cfg / "strict.yaml", policy(
-                             "tiny-strict", max_kl_vs_champion={"csqa": 1e-12, "released": 1e-12}))}
+        self.config = {
+            "a": str(cfg / "a.yaml"),
+            "b": write_yaml(
+                cfg / "b.yaml",
+                BASE
+                | {
+                    "name": "b",
+                    "skill": "b",
+                    "data": {"source": "gsm8k", "train_limit": 8, "val_limit": 4},
+                    "target": {"scorer": "reference-nll", "options": {"source": "gsm8k", "limit": 4}},
+                },
+            ),
+            "c": write_yaml(
+                cfg / "c.yaml",
+                BASE
+                | {
+                    "name": "c",
+                    "skill": "c",
+                    "data": {"source": c_file, "val_limit": 4},
+                    "target": {"scorer": "reference-nll", "options": {"source": c_eval, "limit": 4}},
+                },
+            ),
+        }
+        self.policies = {
+            False: write_yaml(cfg / "pass.yaml", policy("tiny-pass")),
+            True: write_yaml(
+                cfg / "strict.yaml", policy("tiny-strict", max_kl_vs_champion={"csqa": 1e-12, "released": 1e-12})
+            ),
+        }
 
     # ---------------------------------------------------------------- operations
     def write_snapshot(self, with_val: bool) -> None:
         """A new snapshot of skill A in its folder (written under a hidden name, then renamed),
         and A's config with or without a held-out file."""
         self.snapshots += 1
-        rows = self.code[8 * (self.snapshots - 1) % 48:][:8]
+        rows = self.code[8 * (self.snapshots - 1) % 48 :][:8]
         name = f"{self.snapshots:04d}.jsonl"
         write_pairs(self.folder / f".{name}", rows)
         os.replace(self.folder / f".{name}", self.folder / name)
         data = {"source": str(self.folder), "val_limit": 4} | ({"val_source": self.held} if with_val else {})
-        write_yaml(self.root / "cfg" / "a.yaml", BASE | {
-            "name": "a", "skill": "a", "data": data,
-            "target": {"scorer": "reference-nll", "options": {"source": self.held, "limit": 4}}})
+        write_yaml(
+            self.root / "cfg" / "a.yaml",
+            BASE
+            | {
+                "name": "a",
+                "skill": "a",
+                "data": data,
+                "target": {"scorer": "reference-nll", "options": {"source": self.held, "limit": 4}},
+            },
+        )
 
     def cycle(self, skill: str, crash: str | None = None) -> dict | None:
         from flows.update import update
 
-        where = {"training": "flows.training.train_run", "evaluation": "flows.evaluate.record_candidate",
-                 "publish": "flows.release.publish"}
+        where = {
+            "training": "flows.training.train_run",
+            "evaluation": "flows.evaluate.record_candidate",
+            "publish": "flows.release.publish",
+        }
 
         def boom(*args, **kwargs):
             raise InjectedCrash(f"injected crash in {crash}")
@@ -152,8 +196,14 @@ class Line:
         p = _open()
         try:
             with p.ledger.transaction() as s:
-                return {r.name: b.revision for r, b in s.execute(
-                    select(m.RegisteredModel, m.Backbone).join(m.Backbone, m.RegisteredModel.backbone_id == m.Backbone.id))}
+                return {
+                    r.name: b.revision
+                    for r, b in s.execute(
+                        select(m.RegisteredModel, m.Backbone).join(
+                            m.Backbone, m.RegisteredModel.backbone_id == m.Backbone.id
+                        )
+                    )
+                }
         finally:
             p.close()
 
@@ -175,8 +225,9 @@ class Line:
             bb = original(name, dtype)
             model = tiny.tiny_llama(len(bb.tokenizer), seed=revision, hidden_size=64, layers=4)
             model.config.max_position_embeddings = bb.model.config.max_position_embeddings
-            return Backbone(bb.name, bb.revision.replace("seed0", f"seed{revision}"), model, bb.tokenizer,
-                            decoder_layers(model))
+            return Backbone(
+                bb.name, bb.revision.replace("seed0", f"seed{revision}"), model, bb.tokenizer, decoder_layers(model)
+            )
 
         self.patches.setattr(tiny, "load_model", load_model)
 
@@ -255,6 +306,7 @@ class Line:
 
     def fingerprint(self) -> dict[str, str]:
         """Everything a cycle could write: both databases row by row, the store's and the reports' files."""
+
         def db(path: Path) -> str:
             if not path.is_file():
                 return "-"
@@ -262,12 +314,18 @@ class Line:
                 return hashlib.sha256("\n".join(con.iterdump()).encode()).hexdigest()
 
         def files(folder: Path) -> str:
-            names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
+            names = (
+                sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
+            )
             return hashlib.sha256("\n".join(names).encode()).hexdigest()
 
-        return {"ledger": db(self.state / "ledger.db"), "mlflow": db(self.state / "mlflow" / "mlflow.db"),
-                "store": files(self.state / "artifacts"), "mlflow artifacts": files(self.state / "mlflow" / "artifacts"),
-                "reports": files(self.state / "reports")}
+        return {
+            "ledger": db(self.state / "ledger.db"),
+            "mlflow": db(self.state / "mlflow" / "mlflow.db"),
+            "store": files(self.state / "artifacts"),
+            "mlflow artifacts": files(self.state / "mlflow" / "artifacts"),
+            "reports": files(self.state / "reports"),
+        }
 
     # ---------------------------------------------------------------- invariants
     def check(self) -> None:
@@ -314,13 +372,16 @@ def check_line(p, name: str, loads: bool) -> None:
     except MlflowException:
         aliases = {}
     alias = aliases.get("champion")
-    assert (None if alias is None else str(alias)) == (holder.mlflow_version if holder else None), \
+    assert (None if alias is None else str(alias)) == (holder.mlflow_version if holder else None), (
         f"{name}: MLflow champion alias {aliases.get('champion')} but the ledger's champion is {holder}"
+    )
     releases = [r for r in list_releases(p.ledger, model.id) if r.action != "renominate"]
     if releases:
         last = releases[-1]
         expected = holder.id if holder else next(v.id for v in versions if v.is_base)
-        assert last.version_id == expected, f"{name}: the history ends at version #{last.version_id}, champion #{expected}"
+        assert last.version_id == expected, (
+            f"{name}: the history ends at version #{last.version_id}, champion #{expected}"
+        )
     else:
         assert holder is None
 
@@ -332,7 +393,9 @@ def check_line(p, name: str, loads: bool) -> None:
         elif r.action == "renominate":
             retired.discard(r.version_id)
         elif r.action == "promote":
-            assert r.version_id not in retired, f"{name}: retired version #{r.version_id} promoted without re-nomination"
+            assert r.version_id not in retired, (
+                f"{name}: retired version #{r.version_id} promoted without re-nomination"
+            )
 
     if holder is None:
         return
@@ -340,8 +403,10 @@ def check_line(p, name: str, loads: bool) -> None:
     from flows.cycle import Applied
 
     chain = version_chain(p.ledger, holder.id)
-    for spec in released_skills(chain_skill_specs(p.ledger, Applied(holder, tuple(chain)), p.store,
-                                                  p.state / "cache" / "snapshots"), training=""):
+    for spec in released_skills(
+        chain_skill_specs(p.ledger, Applied(holder, tuple(chain)), p.store, p.state / "cache" / "snapshots"),
+        training="",
+    ):
         require_evaluable(spec, "released")
     if loads:
         from flows.serving import load_release

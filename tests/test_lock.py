@@ -5,6 +5,7 @@ the versions installed (what `pip freeze --exclude-editable` would write; local 
 The constraints file is the one this environment was installed from: ATLAS_CONSTRAINTS (relative
 to the repository root, as in scripts/install.sh), default constraints.txt. scripts/lock.sh runs
 the suite with ATLAS_CONSTRAINTS naming its candidate lock, so this holds during a lock run too."""
+
 from __future__ import annotations
 
 import json
@@ -113,15 +114,18 @@ def test_lock_matches_the_environment():
     assert not problems, (
         f"{path} and this environment ({sys.prefix}) differ; install it with `bash scripts/install.sh`"
         " (rm -rf the venv first if it holds packages the lock dropped) or refresh the lock with"
-        " `bash scripts/lock.sh`:\n  " + "\n  ".join(problems))
+        " `bash scripts/lock.sh`:\n  " + "\n  ".join(problems)
+    )
 
 
 def test_differences_are_listed():
     """The comparison itself: local labels ignored on both sides, names per PEP 503."""
     lock = {"torch": ("torch", "2.13.0"), "pyyaml": ("PyYAML", "6.0.4"), "gone": ("gone", "1.0")}
     env = {"torch": ("torch", "2.13.0+cpu"), "pyyaml": ("PyYAML", "6.0.5"), "extra": ("Extra", "0.1")}
-    assert differences(lock, env) == ["installed, not in the lock: Extra==0.1",
-                                      "in the lock, not installed: gone==1.0",
-                                      "PyYAML: lock 6.0.4, installed 6.0.5"]
+    assert differences(lock, env) == [
+        "installed, not in the lock: Extra==0.1",
+        "in the lock, not installed: gone==1.0",
+        "PyYAML: lock 6.0.4, installed 6.0.5",
+    ]
     assert differences({"torch": ("torch", "2.13.0+cpu")}, {"torch": ("torch", "2.13.0")}) == []
     assert canonical("Foo.Bar_baz--qux") == "foo-bar-baz-qux"

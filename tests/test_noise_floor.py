@@ -1,5 +1,6 @@
 """The flip noise floor in the NFR gate (flows/noise_floor.py): reported beside F always, and
 with `nfr.above_floor` the bound is computed on the flips above it; missing: fail closed."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,18 +10,34 @@ from flows.policy import NfrLimits, ReleasePolicy, wilson_upper
 
 
 def _metrics(floor: dict) -> CandidateMetrics:
-    return CandidateMetrics(1, "c", "atlas", 0, 1, 1, 1, 4, 1, flips_vs_champion={"gsm8k": Flips(16, 3, 0, 1)},
-                            flips_vs_base={"gsm8k": Flips(16, 0, 0, 0)}, flips_floor=floor)
+    return CandidateMetrics(
+        1,
+        "c",
+        "atlas",
+        0,
+        1,
+        1,
+        1,
+        4,
+        1,
+        flips_vs_champion={"gsm8k": Flips(16, 3, 0, 1)},
+        flips_vs_base={"gsm8k": Flips(16, 0, 0, 0)},
+        flips_floor=floor,
+    )
 
 
 def _policy(above_floor: bool) -> ReleasePolicy:
-    return ReleasePolicy(nfr=NfrLimits(max_vs_champion={"gsm8k": 0.3}, max_vs_base={"gsm8k": 1.0},
-                                       above_floor=above_floor))
+    return ReleasePolicy(
+        nfr=NfrLimits(max_vs_champion={"gsm8k": 0.3}, max_vs_base={"gsm8k": 1.0}, above_floor=above_floor)
+    )
 
 
 def _check(floor: dict, above_floor: bool):
-    return next(c for c in nfr_checks(_metrics(floor), _policy(above_floor), ["gsm8k"])
-                if c.name == "nfr_upper_vs_champion[gsm8k]")
+    return next(
+        c
+        for c in nfr_checks(_metrics(floor), _policy(above_floor), ["gsm8k"])
+        if c.name == "nfr_upper_vs_champion[gsm8k]"
+    )
 
 
 def test_the_floor_is_reported_but_not_subtracted_by_default():

@@ -5,6 +5,7 @@ export with `PeftModel.from_pretrained` and must give the platform's logits.
 The orders that matter are those that touch `peft` before or around `import atlas_core`:
 transformers asks `importlib.util.find_spec("peft")` (is_peft_available) long before anything
 imports PEFT, and that query must not use up the registration."""
+
 from __future__ import annotations
 
 import os
@@ -25,20 +26,19 @@ ROOT = Path(__file__).resolve().parents[1]
 ORDERS = {
     # a fresh process; importing atlas_core alone must not import PEFT (seconds)
     "fresh": "import atlas_core\nassert 'peft' not in sys.modules, 'import atlas_core imported peft'",
-    "find_spec_first": "import importlib.util\nassert importlib.util.find_spec('peft')\n"
-                       "import atlas_core\nimport peft",
+    "find_spec_first": "import importlib.util\nassert importlib.util.find_spec('peft')\nimport atlas_core\nimport peft",
     "atlas_core_then_find_spec": "import atlas_core, importlib.util\nimportlib.util.find_spec('peft')\n"
-                                 "importlib.util.find_spec('peft')",
+    "importlib.util.find_spec('peft')",
     "transformers_checks_peft_first": "import transformers\nassert transformers.utils.is_peft_available()\n"
-                                      "import atlas_core",
+    "import atlas_core",
     "atlas_core_then_transformers_checks_peft": "import atlas_core, transformers\n"
-                                                "assert transformers.utils.is_peft_available()",
+    "assert transformers.utils.is_peft_available()",
     "peft_first": "import peft\nimport atlas_core",
     "peft_submodule_first": "import peft.config\nimport atlas_core",
     # what flows.load_release does: transformers' from_pretrained (of the bundled backbone) looks
     # for PEFT before anything imports it
     "load_folder_first": "import atlas_core\nfrom atlas_core.release import load_folder\n"
-                         "load_folder(BUNDLED, dtype='float32')",
+    "load_folder(BUNDLED, dtype='float32')",
 }
 
 CHECK = """

@@ -1,4 +1,5 @@
 """Version comparison from stored answers, and the release history view."""
+
 from __future__ import annotations
 
 import json
@@ -7,31 +8,43 @@ import pytest
 from mlflow import MlflowClient
 
 import registry as r
-from tests.conftest_registry import (  # noqa: F401
-    bridge,
+from tests.conftest_registry import (
     gate_pass,
-    ledger,
-    ledger_url,
     make_candidates,
-    mlflow_config,
-    store,
     unique_backbone,
 )
 
 A = r.AnswerRecord
-BASE = [A("gsm8k", "q1", "4", True), A("gsm8k", "q2", "7", False), A("gsm8k", "q3", "9", False),
-        A("gsm8k", "q4", "1", True), A("gsm8k", "q5", None, False),
-        A("csqa", "c1", "A", True), A("csqa", "c2", "B", False), A("csqa", "c3", "D", True)]
-V1 = [A("gsm8k", "q1", "5", False),  # F: correct -> wrong
-      A("gsm8k", "q2", "8", True),   # G: wrong -> correct
-      A("gsm8k", "q3", "10", False),  # W: wrong -> different wrong
-      A("gsm8k", "q4", "1", True),   # unchanged
-      A("gsm8k", "q5", None, False),  # still nothing extracted: not a flip
-      A("gsm8k", "q6", "3", True),   # the base never answered it: unpaired
-      A("csqa", "c1", "A", True), A("csqa", "c2", "C", False)]  # c2: W; c3 unanswered
-V2 = [A("gsm8k", "q1", "4", True), A("gsm8k", "q2", "8", True), A("gsm8k", "q3", "10", False),
-      A("gsm8k", "q4", "2", False), A("gsm8k", "q5", "6", False), A("gsm8k", "q6", "3", True),
-      A("csqa", "c1", "A", True), A("csqa", "c2", "C", False)]
+BASE = [
+    A("gsm8k", "q1", "4", True),
+    A("gsm8k", "q2", "7", False),
+    A("gsm8k", "q3", "9", False),
+    A("gsm8k", "q4", "1", True),
+    A("gsm8k", "q5", None, False),
+    A("csqa", "c1", "A", True),
+    A("csqa", "c2", "B", False),
+    A("csqa", "c3", "D", True),
+]
+V1 = [
+    A("gsm8k", "q1", "5", False),  # F: correct -> wrong
+    A("gsm8k", "q2", "8", True),  # G: wrong -> correct
+    A("gsm8k", "q3", "10", False),  # W: wrong -> different wrong
+    A("gsm8k", "q4", "1", True),  # unchanged
+    A("gsm8k", "q5", None, False),  # still nothing extracted: not a flip
+    A("gsm8k", "q6", "3", True),  # the base never answered it: unpaired
+    A("csqa", "c1", "A", True),
+    A("csqa", "c2", "C", False),
+]  # c2: W; c3 unanswered
+V2 = [
+    A("gsm8k", "q1", "4", True),
+    A("gsm8k", "q2", "8", True),
+    A("gsm8k", "q3", "10", False),
+    A("gsm8k", "q4", "2", False),
+    A("gsm8k", "q5", "6", False),
+    A("gsm8k", "q6", "3", True),
+    A("csqa", "c1", "A", True),
+    A("csqa", "c2", "C", False),
+]
 
 
 def hand_made(ledger, store):
@@ -40,12 +53,28 @@ def hand_made(ledger, store):
     for version, answers in ((base, BASE), (v1, V1), (v2, V2)):
         r.record_answers(ledger, version.id, answers)
     r.record_evaluation(ledger, r.EvaluationRecord(base.id, 10, 20, [r.DomainKL("gsm8k", None)]))
-    r.record_evaluation(ledger, r.EvaluationRecord(
-        v1.id, 12, 20, [r.DomainKL("gsm8k", 0.02), r.DomainKL("csqa", 0.01)],
-        [r.ChurnCounts("base", "gsm8k", 1, 1, 1, 5)], csqa_choice_churn=0.5))
-    r.record_evaluation(ledger, r.EvaluationRecord(
-        v2.id, 15, 20, [r.DomainKL("gsm8k", 0.05), r.DomainKL("csqa", 0.01)],
-        [r.ChurnCounts("base", "gsm8k", 1, 1, 2, 5)], release_version_id=v1.id))
+    r.record_evaluation(
+        ledger,
+        r.EvaluationRecord(
+            v1.id,
+            12,
+            20,
+            [r.DomainKL("gsm8k", 0.02), r.DomainKL("csqa", 0.01)],
+            [r.ChurnCounts("base", "gsm8k", 1, 1, 1, 5)],
+            csqa_choice_churn=0.5,
+        ),
+    )
+    r.record_evaluation(
+        ledger,
+        r.EvaluationRecord(
+            v2.id,
+            15,
+            20,
+            [r.DomainKL("gsm8k", 0.05), r.DomainKL("csqa", 0.01)],
+            [r.ChurnCounts("base", "gsm8k", 1, 1, 2, 5)],
+            release_version_id=v1.id,
+        ),
+    )
     return model_id, base, v1, v2
 
 
@@ -57,16 +86,23 @@ def test_comparison_with_the_base_reports_exactly_the_written_flips(ledger, stor
     _, base, v1, _ = hand_made(ledger, store)
     c = r.compare_versions(ledger, base.id, v1.id)
     assert (c.version_a, c.version_b) == (base.name, v1.name)
-    assert flips(c) == {("gsm8k", "q1", "F", "4", "5"), ("gsm8k", "q2", "G", "7", "8"),
-                        ("gsm8k", "q3", "W", "9", "10"), ("csqa", "c2", "W", "B", "C")}
+    assert flips(c) == {
+        ("gsm8k", "q1", "F", "4", "5"),
+        ("gsm8k", "q2", "G", "7", "8"),
+        ("gsm8k", "q3", "W", "9", "10"),
+        ("csqa", "c2", "W", "B", "C"),
+    }
     rows = {row.dataset: row for row in c.churn}
     assert (rows["gsm8k"].flips_f, rows["gsm8k"].flips_g, rows["gsm8k"].flips_w, rows["gsm8k"].n) == (1, 1, 1, 5)
     assert (rows["gsm8k"].only_in_a, rows["gsm8k"].only_in_b) == (0, 1)
     assert (rows["csqa"].flips_w, rows["csqa"].n, rows["csqa"].only_in_a) == (1, 2, 1)
     assert rows["all"].churn == pytest.approx(4 / 7) and rows["all"].nfr == pytest.approx(1 / 7)
     metrics = {m.name: m for m in c.metrics}
-    assert (metrics["target_solved[gsm8k]"].a, metrics["target_solved[gsm8k]"].b,
-            metrics["target_solved[gsm8k]"].delta) == (10, 12, 2)
+    assert (
+        metrics["target_solved[gsm8k]"].a,
+        metrics["target_solved[gsm8k]"].b,
+        metrics["target_solved[gsm8k]"].delta,
+    ) == (10, 12, 2)
     assert metrics["kl_vs_base[gsm8k]"].a == 0.0 and metrics["kl_vs_base[gsm8k]"].delta == pytest.approx(0.02)
     assert metrics["kl_vs_base[csqa]"].a == 0.0  # the base's KL to itself, even where not measured
     assert metrics["csqa_choice_churn"].a is None and metrics["csqa_choice_churn"].delta is None
@@ -75,11 +111,17 @@ def test_comparison_with_the_base_reports_exactly_the_written_flips(ledger, stor
 def test_comparison_between_two_versions_has_a_direction(ledger, store):
     _, _, v1, v2 = hand_made(ledger, store)
     forward = r.compare_versions(ledger, v1.id, v2.id)
-    assert flips(forward) == {("gsm8k", "q1", "G", "5", "4"), ("gsm8k", "q4", "F", "1", "2"),
-                              ("gsm8k", "q5", "W", None, "6")}
+    assert flips(forward) == {
+        ("gsm8k", "q1", "G", "5", "4"),
+        ("gsm8k", "q4", "F", "1", "2"),
+        ("gsm8k", "q5", "W", None, "6"),
+    }
     backward = r.compare_versions(ledger, v2.id, v1.id)
-    assert flips(backward) == {("gsm8k", "q1", "F", "4", "5"), ("gsm8k", "q4", "G", "2", "1"),
-                               ("gsm8k", "q5", "W", "6", None)}
+    assert flips(backward) == {
+        ("gsm8k", "q1", "F", "4", "5"),
+        ("gsm8k", "q4", "G", "2", "1"),
+        ("gsm8k", "q5", "W", "6", None),
+    }
     total = {row.dataset: row for row in forward.churn}["all"]
     assert (total.flips_f, total.flips_g, total.flips_w, total.n) == (1, 1, 1, 8)
     delta = {m.name: m.delta for m in forward.metrics}
@@ -93,7 +135,11 @@ def test_comparison_outputs(ledger, store, bridge, mlflow_config, tmp_path):
     c = r.compare_versions(ledger, base.id, v1.id)
     as_json = json.loads(c.to_json())
     assert {(f["dataset"], f["question_id"], f["kind"]) for f in as_json["flips"]} == {
-        ("gsm8k", "q1", "F"), ("gsm8k", "q2", "G"), ("gsm8k", "q3", "W"), ("csqa", "c2", "W")}
+        ("gsm8k", "q1", "F"),
+        ("gsm8k", "q2", "G"),
+        ("gsm8k", "q3", "W"),
+        ("csqa", "c2", "W"),
+    }
     assert next(row for row in as_json["churn"] if row["dataset"] == "all")["nfr"] == pytest.approx(1 / 7)
     markdown = c.to_markdown()
     assert f"# {v1.name} vs {base.name}" in markdown
@@ -120,8 +166,10 @@ def test_release_history_lists_every_release_with_key_metrics(ledger, store):
     r.rollback(ledger, None, model_id, "KL too high on gsm8k")
     rows = r.release_history(ledger, model_id)
     assert [(h.action, h.version, h.previous, h.target) for h in rows] == [
-        ("promote", v1.name, "-", "12/20"), ("promote", v2.name, v1.name, "15/20"),
-        ("rollback", v1.name, v2.name, "12/20")]
+        ("promote", v1.name, "-", "12/20"),
+        ("promote", v2.name, v1.name, "15/20"),
+        ("rollback", v1.name, v2.name, "12/20"),
+    ]
     assert rows[1].max_kl_vs_base == pytest.approx(0.05) and rows[1].nfr_vs_base == pytest.approx(0.2)
     assert rows[2].reason == "KL too high on gsm8k" and rows[0].flow_run_id == "flow-a"
     text = r.format_history(rows)
@@ -159,11 +207,23 @@ def test_releases_of_different_skills_never_share_a_target_row(ledger, store):
     _, base, v1, _ = hand_made(ledger, store)
     model_id, (v2,) = make_candidates(ledger, store, unique_backbone(), skill="format", seeds=(0,))
     v2 = r.get_version(ledger, v2.id)
-    r.record_evaluation(ledger, r.EvaluationRecord(
-        v2.id, 3, 4, [r.DomainKL("gsm8k", 0.01)], release_version_id=v1.id,
-        extra={"target_score": 1.1, "champion_score": 1.4,
-               "released": {"gsm8k": {"n": 20, "champion_score": 12.0, "score": 11.0, "mean_drop": 0.05,
-                                      "sd_drop": 0.2}}}))
+    r.record_evaluation(
+        ledger,
+        r.EvaluationRecord(
+            v2.id,
+            3,
+            4,
+            [r.DomainKL("gsm8k", 0.01)],
+            release_version_id=v1.id,
+            extra={
+                "target_score": 1.1,
+                "champion_score": 1.4,
+                "released": {
+                    "gsm8k": {"n": 20, "champion_score": 12.0, "score": 11.0, "mean_drop": 0.05, "sd_drop": 0.2}
+                },
+            },
+        ),
+    )
     metrics = {m.name: m for m in r.compare_versions(ledger, v1.id, v2.id).metrics}
     assert (metrics["target_solved[gsm8k]"].a, metrics["target_solved[gsm8k]"].b) == (12, None)
     assert (metrics["target_solved[format]"].a, metrics["target_solved[format]"].b) == (None, 3)

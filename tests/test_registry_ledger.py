@@ -1,4 +1,5 @@
 """The ledger on SQLite and PostgreSQL: migrations, lineage, results, bad input."""
+
 from __future__ import annotations
 
 import math
@@ -14,7 +15,7 @@ from sqlalchemy import inspect, select, text
 import registry as r
 from registry.db import VERSION_TABLE, make_engine
 from registry.models import Answer, Base, Release
-from tests.conftest_registry import gate_pass, ledger, ledger_url, make_candidates, store  # noqa: F401
+from tests.conftest_registry import gate_pass, make_candidates
 
 
 def test_migration_from_empty_database_matches_the_models(ledger_url):
@@ -111,11 +112,20 @@ def test_bad_input_names_the_field(ledger, store):
 def test_evaluations_and_answers_round_trip(ledger, store):
     _, (v1, v2, _) = make_candidates(ledger, store, "org/tiny")
     record = r.EvaluationRecord(
-        v2.id, target_solved=7, target_total=20,
+        v2.id,
+        target_solved=7,
+        target_total=20,
         kl=[r.DomainKL("gsm8k", 0.01, 0.002), r.DomainKL("csqa", 0.03, None)],
-        churn=[r.ChurnCounts("base", "gsm8k", 1, 2, 0, 10), r.ChurnCounts("release", "gsm8k", 0, 1, 1, 10),
-               r.ChurnCounts("base", "csqa", 1, 0, 0, 10)],
-        csqa_choice_churn=0.1, release_version_id=v1.id, extra={"note": "x"}, flow_run_id="fr-1")
+        churn=[
+            r.ChurnCounts("base", "gsm8k", 1, 2, 0, 10),
+            r.ChurnCounts("release", "gsm8k", 0, 1, 1, 10),
+            r.ChurnCounts("base", "csqa", 1, 0, 0, 10),
+        ],
+        csqa_choice_churn=0.1,
+        release_version_id=v1.id,
+        extra={"note": "x"},
+        flow_run_id="fr-1",
+    )
     eid = r.record_evaluation(ledger, record)
     ev = r.latest_evaluation(ledger, v2.id)
     assert ev.id == eid and (ev.target_solved, ev.target_total, ev.release_version_id) == (7, 20, v1.id)
@@ -139,14 +149,17 @@ def test_evaluations_and_answers_round_trip(ledger, store):
         r.record_answers(ledger, v1.id, [answers[0], answers[0]])
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(kl=[r.DomainKL("gsm8k", math.nan)]), r"kl_vs_base\[gsm8k\]"),
-    (dict(kl=[r.DomainKL("gsm8k", 0.1, math.inf)]), r"kl_vs_release\[gsm8k\]"),
-    (dict(target_solved=5, target_total=4), "target_solved"),
-    (dict(churn=[r.ChurnCounts("base", "csqa", 3, 3, 3, 5)]), r"churn\[base/csqa\]"),
-    (dict(churn=[r.ChurnCounts("yesterday", "csqa", 0, 0, 0, 5)]), "against"),
-    (dict(csqa_choice_churn=math.nan), "csqa_choice_churn"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(kl=[r.DomainKL("gsm8k", math.nan)]), r"kl_vs_base\[gsm8k\]"),
+        (dict(kl=[r.DomainKL("gsm8k", 0.1, math.inf)]), r"kl_vs_release\[gsm8k\]"),
+        (dict(target_solved=5, target_total=4), "target_solved"),
+        (dict(churn=[r.ChurnCounts("base", "csqa", 3, 3, 3, 5)]), r"churn\[base/csqa\]"),
+        (dict(churn=[r.ChurnCounts("yesterday", "csqa", 0, 0, 0, 5)]), "against"),
+        (dict(csqa_choice_churn=math.nan), "csqa_choice_churn"),
+    ],
+)
 def test_invalid_evaluations_are_refused(ledger, store, bad, match):
     _, (v1, *_) = make_candidates(ledger, store, "org/tiny", seeds=(0,))
     fields = dict(target_solved=1, target_total=2) | bad
@@ -157,15 +170,20 @@ def test_invalid_evaluations_are_refused(ledger, store, bad, match):
 
 def test_gate_decisions_record_each_threshold(ledger, store):
     _, (v1, v2, _) = make_candidates(ledger, store, "org/tiny")
-    checks = [r.GateCheckRecord("target_gain", 1.0, 2.0, True, "2 more solved"),
-              r.GateCheckRecord("kl_vs_release[gsm8k]", 0.05, math.nan, False, "metric is NaN")]
-    decision = r.record_gate_decision(ledger, v2.id, "default", {"kl": 0.05}, checks,
-                                      release_version_id=v1.id, flow_run_id="fr-2")
+    checks = [
+        r.GateCheckRecord("target_gain", 1.0, 2.0, True, "2 more solved"),
+        r.GateCheckRecord("kl_vs_release[gsm8k]", 0.05, math.nan, False, "metric is NaN"),
+    ]
+    decision = r.record_gate_decision(
+        ledger, v2.id, "default", {"kl": 0.05}, checks, release_version_id=v1.id, flow_run_id="fr-2"
+    )
     assert decision.passed is False
     stored = r.latest_gate_decision(ledger, v2.id)
     assert stored.id == decision.id and stored.release_version_id == v1.id and stored.passed is False
     assert [(c.name, c.threshold, c.measured, c.passed) for c in stored.checks] == [
-        ("target_gain", 1.0, 2.0, True), ("kl_vs_release[gsm8k]", 0.05, None, False)]
+        ("target_gain", 1.0, 2.0, True),
+        ("kl_vs_release[gsm8k]", 0.05, None, False),
+    ]
     assert "nan" in stored.checks[1].detail
     assert gate_pass(ledger, v2.id, v1.id).passed is True
     with pytest.raises(r.LedgerError, match="fail closed"):
@@ -231,8 +249,11 @@ def test_json_columns_refuse_nan_on_every_backend(ledger, store):
 
 
 def test_registry_imports_nothing_else_of_the_project():
-    code = ("import sys, registry; bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('atlas_core', 'evaluation', 'flows')); print(bad); sys.exit(1 if bad else 0)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parent.parent)
+    code = (
+        "import sys, registry; bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('atlas_core', 'evaluation', 'flows')); print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent
+    )
     assert done.returncode == 0, done.stdout + done.stderr

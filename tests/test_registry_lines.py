@@ -1,4 +1,5 @@
 """Lines, version chains, unique names, rollback to the base, re-nomination, read-only queries."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,14 +8,23 @@ from sqlalchemy.exc import IntegrityError
 
 import registry as r
 from registry.models import ModelVersion, TrainingRun
-from tests.conftest_registry import gate_pass, ledger, ledger_url, store  # noqa: F401
+from tests.conftest_registry import gate_pass
 
 
 def train(ledger, store, backbone_id, model_id, skill="code", seed=0, epoch=1, parent=None, snapshot=b"v1"):
     """One training run of `skill` on a line (on top of `parent`), registered as a version."""
     dataset = r.ensure_dataset(ledger, skill, "train", r.sha256_bytes(snapshot))
-    run = r.start_training_run(ledger, backbone_id, skill, "atlas", seed, {"run_key": snapshot.hex()},
-                               dataset_id=dataset, model_id=model_id, parent_version_id=parent)
+    run = r.start_training_run(
+        ledger,
+        backbone_id,
+        skill,
+        "atlas",
+        seed,
+        {"run_key": snapshot.hex()},
+        dataset_id=dataset,
+        model_id=model_id,
+        parent_version_id=parent,
+    )
     adapter = store.put_bytes(b"adapter of run %d" % run)
     return r.register_version(ledger, r.record_checkpoint(ledger, run, epoch, 10 * epoch, adapter, {}).id)
 
@@ -61,8 +71,9 @@ def test_versions_chain_through_their_parents(ledger, store):
     with pytest.raises(r.LedgerError, match="parent_version_id=.*needs model_id"):
         r.start_training_run(ledger, bb, "code", "atlas", 0, {}, parent_version_id=v1.id)
     with pytest.raises(r.LedgerError, match=f"model_id={code.id}: .* not on backbone id"):
-        r.start_training_run(ledger, r.ensure_backbone(ledger, "org/else", "r"), "code", "atlas", 0, {},
-                             model_id=code.id)
+        r.start_training_run(
+            ledger, r.ensure_backbone(ledger, "org/else", "r"), "code", "atlas", 0, {}, model_id=code.id
+        )
 
     with ledger.transaction() as s:  # a hand-edited ledger: v1 on top of v2 on top of v1
         s.execute(update(ModelVersion).where(ModelVersion.id == v1.id).values(parent_version_id=v2.id))
@@ -81,7 +92,10 @@ def test_version_names_are_unique_within_a_line(ledger, store):
     again = train(ledger, store, bb, code.id, snapshot=b"snapshot 2")  # same skill, method, seed, epoch
     third = train(ledger, store, bb, code.id, parent=first.id, snapshot=b"snapshot 3")
     assert (first.name, again.name, third.name) == (
-        "tiny-code-atlas-s0-e1", "tiny-code-atlas-s0-e1-r2", "tiny-code-atlas-s0-e1-r3")
+        "tiny-code-atlas-s0-e1",
+        "tiny-code-atlas-s0-e1-r2",
+        "tiny-code-atlas-s0-e1-r3",
+    )
     for v in (first, again, third):
         assert r.resolve_version(ledger, code.name, v.name).id == v.id
         assert r.resolve_version(ledger, code.id, f"#{v.id}").id == v.id
@@ -110,8 +124,11 @@ def test_rollback_retires_and_only_renominate_makes_it_promotable(ledger, store)
     assert [v.id for v in r.list_versions(ledger, code.id, include_retired=False)] == [base.id, v1.id]
     assert [v.id for v in r.list_versions(ledger, code.id)] == [base.id, v1.id, v2.id]
     gate_pass(ledger, v2.id, v1.id)  # a later cycle gates it again against the champion
-    with pytest.raises(r.PromotionError, match=rf"retired by rollback \(release #{back.id}: v2 broke csqa\).*"
-                                               "`atlas renominate`"):
+    with pytest.raises(
+        r.PromotionError,
+        match=rf"retired by rollback \(release #{back.id}: v2 broke csqa\).*"
+        "`atlas renominate`",
+    ):
         r.promote(ledger, None, v2.id)
     with pytest.raises(r.PromotionError, match="active, not retired"):
         r.renominate(ledger, v1.id, "nothing to lift")
@@ -120,12 +137,22 @@ def test_rollback_retires_and_only_renominate_makes_it_promotable(ledger, store)
 
     again = r.renominate(ledger, v2.id, "csqa fixed upstream")
     assert (again.action, again.alias, again.version_id, again.previous_version_id, again.reason) == (
-        "renominate", "champion", v2.id, v1.id, "csqa fixed upstream")
+        "renominate",
+        "champion",
+        v2.id,
+        v1.id,
+        "csqa fixed upstream",
+    )
     assert r.alias_holder(ledger, code.id).id == v1.id  # re-nominating moves nothing
     assert r.get_version(ledger, v2.id).status == "active"
     assert r.promote(ledger, None, v2.id).version_id == v2.id
     assert [h.action for h in r.release_history(ledger, code.id)] == [
-        "promote", "promote", "rollback", "renominate", "promote"]
+        "promote",
+        "promote",
+        "rollback",
+        "renominate",
+        "promote",
+    ]
 
 
 def test_rollback_without_a_previous_holder_goes_to_the_base(ledger, store):
@@ -156,7 +183,10 @@ def test_read_only_queries(ledger, store):
     assert r.find_training_run(ledger, bb, "code", "atlas", 0, "other key") is None
     later = r.record_checkpoint(ledger, runs[code.id], 2, 20, store.put_bytes(b"e2"), {"loss": 0.5})
     first = r.record_checkpoint(ledger, runs[code.id], 1, 10, store.put_bytes(b"e1"), {"loss": 0.9})
-    assert r.run_checkpoints(ledger, runs[code.id]) == [(first.id, 1, 10, {"loss": 0.9}), (later.id, 2, 20, {"loss": 0.5})]
+    assert r.run_checkpoints(ledger, runs[code.id]) == [
+        (first.id, 1, 10, {"loss": 0.9}),
+        (later.id, 2, 20, {"loss": 0.5}),
+    ]
     version = r.register_version(ledger, first.id)
     assert r.run_versions(ledger, runs[code.id]) == [version] and r.run_versions(ledger, runs[other.id]) == []
     assert r.training_run_config(ledger, runs[code.id]) == {"run_key": "k"}
@@ -169,10 +199,13 @@ def test_read_only_queries(ledger, store):
     assert r.recent_decisions(ledger, other.id) == []
     r.start_training_run(ledger, bb, "gsm8k", "atlas", 1, {}, model_id=code.id)
     assert [(x["skill"], x["seed"]) for x in r.recent_training_runs(ledger, bb, None, model_id=code.id)] == [
-        ("gsm8k", 1), ("code", 0)]
+        ("gsm8k", 1),
+        ("code", 0),
+    ]
     assert [x["id"] for x in r.recent_training_runs(ledger, bb, "code", 1)] == [runs[other.id]]
-    atlas = r.record_atlas(ledger, r.sha256_bytes(b"key"), bb, 2, {"manifest_sha256": "m" * 64},
-                           store.put_bytes(b"atlas"))
+    atlas = r.record_atlas(
+        ledger, r.sha256_bytes(b"key"), bb, 2, {"manifest_sha256": "m" * 64}, store.put_bytes(b"atlas")
+    )
     assert r.atlas_files(ledger, atlas.id) == (atlas.artifact_sha256, "m" * 64)
     with pytest.raises(r.LedgerError, match="atlas id 999"):
         r.atlas_files(ledger, 999)

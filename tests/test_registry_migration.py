@@ -1,5 +1,6 @@
 """Migration 0002 (lines and version chains) on a ledger that was written with schema 0001;
 migration 0004 (the release manifest's sha256) on one written with schema 0003."""
+
 from __future__ import annotations
 
 from datetime import datetime, timezone
@@ -13,7 +14,6 @@ import registry as r
 from registry.db import VERSION_TABLE, make_engine
 from registry.lines import record_manifest_sha256
 from registry.models import ModelVersion
-from tests.conftest_registry import ledger_url  # noqa: F401
 
 NOW = datetime(2026, 12, 1, tzinfo=timezone.utc)
 SHA = "0" * 64
@@ -28,21 +28,36 @@ def write_0001_ledger(engine) -> None:
     tables.reflect(engine)
     t = tables.tables
     with engine.begin() as conn:
-        ins = lambda name, *rows: conn.execute(t[name].insert(), list(rows))  # noqa: E731
+        ins = lambda name, *rows: conn.execute(t[name].insert(), list(rows))
         ins("ledger_backbones", dict(id=1, name="org/tiny", revision="rev-1", created_at=NOW))
-        ins("ledger_registered_models", dict(id=1, name="org--tiny.code", backbone_id=1, skill="code", created_at=NOW),
-            dict(id=2, name="org--tiny.csqa", backbone_id=1, skill="csqa", created_at=NOW))
+        ins(
+            "ledger_registered_models",
+            dict(id=1, name="org--tiny.code", backbone_id=1, skill="code", created_at=NOW),
+            dict(id=2, name="org--tiny.csqa", backbone_id=1, skill="csqa", created_at=NOW),
+        )
         run = dict(backbone_id=1, method="atlas", seed=0, config={}, status="finished", started_at=NOW)
-        ins("ledger_training_runs", dict(run, id=1, skill="code"), dict(run, id=2, skill="code"),
-            dict(run, id=3, skill="csqa"), dict(run, id=4, skill="gsm8k"))
+        ins(
+            "ledger_training_runs",
+            dict(run, id=1, skill="code"),
+            dict(run, id=2, skill="code"),
+            dict(run, id=3, skill="csqa"),
+            dict(run, id=4, skill="gsm8k"),
+        )
         ckpt = dict(epoch=1, step=10, adapter_sha256=SHA, adapter_uri="file:///a", metrics={}, created_at=NOW)
-        ins("ledger_checkpoints", *(dict(ckpt, id=i, training_run_id=i) for i in (1, 2, 3)),
-            dict(ckpt, id=4, training_run_id=2, step=20))
+        ins(
+            "ledger_checkpoints",
+            *(dict(ckpt, id=i, training_run_id=i) for i in (1, 2, 3)),
+            dict(ckpt, id=4, training_run_id=2, step=20),
+        )
         version = dict(registered_model_id=1, created_at=NOW)
-        ins("ledger_model_versions", dict(version, id=1, checkpoint_id=None, name="tiny-base"),
-            dict(version, id=2, checkpoint_id=1, name=NAME), dict(version, id=3, checkpoint_id=2, name=NAME),
-            dict(version, id=4, checkpoint_id=4, name=f"{NAME}-r2"), dict(version, id=5, checkpoint_id=3, name=NAME,
-                                                                         registered_model_id=2))
+        ins(
+            "ledger_model_versions",
+            dict(version, id=1, checkpoint_id=None, name="tiny-base"),
+            dict(version, id=2, checkpoint_id=1, name=NAME),
+            dict(version, id=3, checkpoint_id=2, name=NAME),
+            dict(version, id=4, checkpoint_id=4, name=f"{NAME}-r2"),
+            dict(version, id=5, checkpoint_id=3, name=NAME, registered_model_id=2),
+        )
 
 
 def rows(engine, sql: str) -> list[tuple]:
@@ -58,14 +73,21 @@ def test_upgrade_from_0001_backfills_lines_parents_and_names(ledger_url):
         r.upgrade(ledger_url)
 
         assert rows(engine, "SELECT id, name, line FROM ledger_registered_models ORDER BY id") == [
-            (1, "org--tiny.code", "code"), (2, "org--tiny.csqa", "csqa")]
+            (1, "org--tiny.code", "code"),
+            (2, "org--tiny.csqa", "csqa"),
+        ]
         # Non-base versions sit on their model's base version (none in csqa); the second
         # holder of NAME takes the first free suffix: -r2 is taken, so -r3.
         assert rows(engine, "SELECT id, parent_version_id, name, status FROM ledger_model_versions ORDER BY id") == [
-            (1, None, "tiny-base", "active"), (2, 1, NAME, "active"), (3, 1, f"{NAME}-r3", "active"),
-            (4, 1, f"{NAME}-r2", "active"), (5, None, NAME, "active")]
-        assert rows(engine, "SELECT id, registered_model_id, parent_version_id FROM ledger_training_runs "
-                            "ORDER BY id") == [(1, 1, 1), (2, 1, 1), (3, 2, None), (4, None, None)]
+            (1, None, "tiny-base", "active"),
+            (2, 1, NAME, "active"),
+            (3, 1, f"{NAME}-r3", "active"),
+            (4, 1, f"{NAME}-r2", "active"),
+            (5, None, NAME, "active"),
+        ]
+        assert rows(
+            engine, "SELECT id, registered_model_id, parent_version_id FROM ledger_training_runs ORDER BY id"
+        ) == [(1, 1, 1), (2, 1, 1), (3, 2, None), (4, None, None)]
 
         with r.Ledger(ledger_url) as ledger:  # the migrated ledger works through the API
             assert r.resolve_version(ledger, "org--tiny.code", f"{NAME}-r3").id == 3
@@ -92,12 +114,18 @@ def test_upgrade_from_0003_leaves_manifests_unrecorded_until_first_written(ledge
         tables = sa.MetaData()
         tables.reflect(engine)
         with engine.begin() as conn:
-            conn.execute(tables.tables["ledger_backbones"].insert(), [dict(id=1, name="org/tiny", revision="rev-1",
-                                                                          created_at=NOW)])
-            conn.execute(tables.tables["ledger_registered_models"].insert(),
-                         [dict(id=1, name="org--tiny.code", backbone_id=1, line="code", created_at=NOW)])
-            conn.execute(tables.tables["ledger_model_versions"].insert(),
-                         [dict(id=1, registered_model_id=1, name="tiny-base", status="active", created_at=NOW)])
+            conn.execute(
+                tables.tables["ledger_backbones"].insert(),
+                [dict(id=1, name="org/tiny", revision="rev-1", created_at=NOW)],
+            )
+            conn.execute(
+                tables.tables["ledger_registered_models"].insert(),
+                [dict(id=1, name="org--tiny.code", backbone_id=1, line="code", created_at=NOW)],
+            )
+            conn.execute(
+                tables.tables["ledger_model_versions"].insert(),
+                [dict(id=1, registered_model_id=1, name="tiny-base", status="active", created_at=NOW)],
+            )
         r.upgrade(ledger_url)
         assert rows(engine, "SELECT id, manifest_sha256 FROM ledger_model_versions") == [(1, None)]
 
@@ -131,8 +159,10 @@ def test_a_migration_that_would_leave_dangling_keys_changes_nothing(tmp_path):
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     r.upgrade(url, "0001")
     with sqlite3.connect(tmp_path / "ledger.db") as conn:  # foreign keys are off by default here
-        conn.execute("INSERT INTO ledger_registered_models (id, name, backbone_id, skill, created_at) "
-                     "VALUES (1, 'orphan.code', 42, 'code', '2026-12-01 00:00:00')")
+        conn.execute(
+            "INSERT INTO ledger_registered_models (id, name, backbone_id, skill, created_at) "
+            "VALUES (1, 'orphan.code', 42, 'code', '2026-12-01 00:00:00')"
+        )
     with pytest.raises(RuntimeError, match="dangling foreign keys"):
         r.upgrade(url)
     engine = make_engine(url)

@@ -3,6 +3,7 @@
 One MLflow tracking database serves the whole module; every test uses its own backbone,
 so its registered model is its own.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,15 +15,10 @@ import pytest
 from mlflow import MlflowClient
 
 import registry as r
-from tests.conftest_registry import (  # noqa: F401
-    bridge,
+from tests.conftest_registry import (
     gate_pass,
-    ledger,
-    ledger_url,
     make_candidates,
-    mlflow_config,
     run_worker,
-    store,
     unique_backbone,
 )
 
@@ -75,9 +71,10 @@ def test_champion_download_has_the_ledger_files(ledger, store, bridge, mlflow_co
     # A plain MLflow user: configured by environment, resolving a `models:/` URI.
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_config.tracking_uri)
     monkeypatch.setenv("MLFLOW_REGISTRY_URI", mlflow_config.tracking_uri)
-    folder = Path(mlflow.artifacts.download_artifacts(f"models:/{v1.model_name}@champion",
-                                                      dst_path=str(tmp_path / "dl")))
-    sha = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+    folder = Path(
+        mlflow.artifacts.download_artifacts(f"models:/{v1.model_name}@champion", dst_path=str(tmp_path / "dl"))
+    )
+    sha = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["ledger_version_id"] == v1.id and manifest["line"] == "gsm8k" and manifest["format"] == 2
     assert manifest["backbone"] == {"name": v1.backbone, "revision": "rev-1", "weights_sha256": None}
@@ -173,8 +170,16 @@ def test_repair_restores_aliases_changed_behind_the_ledger(ledger, store, bridge
 
 def test_crash_between_ledger_commit_and_mlflow_is_repaired(ledger, ledger_url, store, bridge, mlflow_config):
     model_id, (v0, v1, _) = released_model(ledger, store, bridge)
-    proc = run_worker({"mode": "crash", "ledger_url": ledger_url, "tracking_uri": mlflow_config.tracking_uri,
-                       "artifact_root": mlflow_config.artifact_root, "version_id": v1.id, "reason": "crash"})
+    proc = run_worker(
+        {
+            "mode": "crash",
+            "ledger_url": ledger_url,
+            "tracking_uri": mlflow_config.tracking_uri,
+            "artifact_root": mlflow_config.artifact_root,
+            "version_id": v1.id,
+            "reason": "crash",
+        }
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     # The ledger committed; MLflow still shows the old champion.
     assert r.alias_holder(ledger, model_id).id == v1.id
@@ -183,7 +188,8 @@ def test_crash_between_ledger_commit_and_mlflow_is_repaired(ledger, ledger_url, 
     assert bridge.aliases(v1.model_name)["champion"] == v0.mlflow_version
 
     assert r.repair(ledger, bridge) == [
-        f"{v1.model_name}@champion: {v0.mlflow_version} -> {v1.mlflow_version} ({v1.name} (id {v1.id}))"]
+        f"{v1.model_name}@champion: {v0.mlflow_version} -> {v1.mlflow_version} ({v1.name} (id {v1.id}))"
+    ]
     assert bridge.aliases(v1.model_name)["champion"] == v1.mlflow_version
     assert all(rel.mlflow_synced for rel in r.list_releases(ledger, model_id))
     # Re-running the interrupted promotion is a no-op.
@@ -195,11 +201,28 @@ def test_two_processes_racing_to_promote_only_one_wins(ledger, ledger_url, store
     model_id, (v0, v1, v2) = released_model(ledger, store, bridge)
     ready = [str(tmp_path / "ready-1"), str(tmp_path / "ready-2")]
     requested = [str(tmp_path / "requested-1"), str(tmp_path / "requested-2")]
-    common = {"mode": "race", "ledger_url": ledger_url, "tracking_uri": mlflow_config.tracking_uri,
-              "artifact_root": mlflow_config.artifact_root, "wait_for": ready, "holder": str(tmp_path / "holder")}
-    procs = [run_worker({**common, "version_id": v.id, "reason": f"race {v.name}", "ready": ready[i],
-                         "me": requested[i], "other": requested[1 - i]}, background=True)
-             for i, v in enumerate((v1, v2))]
+    common = {
+        "mode": "race",
+        "ledger_url": ledger_url,
+        "tracking_uri": mlflow_config.tracking_uri,
+        "artifact_root": mlflow_config.artifact_root,
+        "wait_for": ready,
+        "holder": str(tmp_path / "holder"),
+    }
+    procs = [
+        run_worker(
+            {
+                **common,
+                "version_id": v.id,
+                "reason": f"race {v.name}",
+                "ready": ready[i],
+                "me": requested[i],
+                "other": requested[1 - i],
+            },
+            background=True,
+        )
+        for i, v in enumerate((v1, v2))
+    ]
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=120)

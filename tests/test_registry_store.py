@@ -1,4 +1,5 @@
 """The content-addressed artifact store: atomic writes, verified reads, clear errors."""
+
 from __future__ import annotations
 
 import os

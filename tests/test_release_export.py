@@ -1,6 +1,7 @@
 """Release folders: loading a chain of two deltas as a ready model, rejecting any flipped byte,
 and exporting it for PEFT (one adapter) and plain transformers (merged weights), each equal to
 the platform's own adapted model."""
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,14 @@ def write_release(tmp_path: Path, kinds: tuple[str, ...]) -> Path:
             lora.remove()
         else:
             manifest = save_adapter(path, trained_residual(bb.model, seed=i, variant="atlas", atlas=atlas))
-        entry = {"name": f"v{i}", "method": kind, "adapter": f"{stem}.safetensors", "adapter_sha256": manifest["sha256"],
-                 "atlas": None, "atlas_sha256": None}
+        entry = {
+            "name": f"v{i}",
+            "method": kind,
+            "adapter": f"{stem}.safetensors",
+            "adapter_sha256": manifest["sha256"],
+            "atlas": None,
+            "atlas_sha256": None,
+        }
         if kind == "atlas":
             (folder / "atlases").mkdir(exist_ok=True)
             for suffix in (".safetensors", ".json"):
@@ -52,8 +59,9 @@ def write_release(tmp_path: Path, kinds: tuple[str, ...]) -> Path:
             entry |= {"atlas": f"atlases/{atlas.sha256[:16]}.safetensors", "atlas_sha256": atlas.sha256}
         chain.append(entry)
     backbone = {"name": TINY, "revision": bb.revision, "weights_sha256": weights_sha256(bb.model)}
-    write_manifest(folder, {"format": 2, "name": f"v{len(kinds)}", "model": f"{TINY}.test", "chain": chain,
-                            "backbone": backbone})  # with its manifest.sha256, as every writer does
+    write_manifest(
+        folder, {"format": 2, "name": f"v{len(kinds)}", "model": f"{TINY}.test", "chain": chain, "backbone": backbone}
+    )  # with its manifest.sha256, as every writer does
     return folder
 
 
@@ -137,8 +145,9 @@ def test_two_lora_deltas_export_as_one_peft_adapter_with_the_same_logits(tmp_pat
 
 
 def test_an_atlas_chain_exports_as_one_peft_adapter_that_peft_saves_and_loads_like_a_lora(tmp_path):
-    import atlas_core  # noqa: F401 (registers the ATLAS PEFT method)
     from peft import PeftModel
+
+    import atlas_core  # noqa: F401 (registers the ATLAS PEFT method)
 
     folder, ids = write_release(tmp_path, ("atlas", "atlas")), _ids()  # two residuals on layer 2, in chain order
     release = load_folder(folder, dtype="float32", backbone_loader=load_model)

@@ -8,6 +8,7 @@ The line is built by hand in a fresh state folder, no update cycle: the two delt
 tests/test_release_export.write_release (an ATLAS residual, then a LoRA on top) are stored and
 recorded as versions v1 and v2 (v2's chain: both), and v2 is published to MLflow as a pyfunc.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,12 @@ def _name(m: dict) -> None:
     m["backbone"]["name"] = "another/backbone"
 
 
-EDITS: dict[str, Callable[[dict], None]] = {"drop-first-delta": _drop_first, "reorder-deltas": _reorder,
-                                            "backbone-revision": _revision, "backbone-name": _name}
+EDITS: dict[str, Callable[[dict], None]] = {
+    "drop-first-delta": _drop_first,
+    "reorder-deltas": _reorder,
+    "backbone-revision": _revision,
+    "backbone-name": _name,
+}
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +78,27 @@ def line(tmp_path_factory) -> Iterator[dict]:
                 return store.put_file(path), store.put_file(path.with_suffix(".json")).sha256
 
             atlas_file, atlas_manifest = stored(made["chain"][0]["atlas"])
-            atlas = r.record_atlas(ledger, made["chain"][0]["atlas_sha256"], backbone_id, 2,
-                                   {"manifest_sha256": atlas_manifest}, atlas_file)
+            atlas = r.record_atlas(
+                ledger,
+                made["chain"][0]["atlas_sha256"],
+                backbone_id,
+                2,
+                {"manifest_sha256": atlas_manifest},
+                atlas_file,
+            )
             versions, parent = [], None
             for entry, method in zip(made["chain"], ("atlas", "weight-lora")):
-                run = r.start_training_run(ledger, backbone_id, entry["name"], method, 0, {},
-                                           atlas_id=atlas.id if method == "atlas" else None, model_id=model.id,
-                                           parent_version_id=parent)
+                run = r.start_training_run(
+                    ledger,
+                    backbone_id,
+                    entry["name"],
+                    method,
+                    0,
+                    {},
+                    atlas_id=atlas.id if method == "atlas" else None,
+                    model_id=model.id,
+                    parent_version_id=parent,
+                )
                 adapter, adapter_manifest = stored(entry["adapter"])
                 ckpt = r.record_checkpoint(ledger, run, 1, 1, adapter, {"manifest_sha256": adapter_manifest})
                 parent = r.register_version(ledger, ckpt.id).id
@@ -124,14 +143,24 @@ def _cache(line: dict) -> Path:
     from flows import load_release
 
     load_release(MODEL, line["v2"], dtype="float32")  # writes the cache folder, if not there yet
-    return line["state"] / "cache" / "releases" / MODEL / next(
-        p.name for p in (line["state"] / "cache" / "releases" / MODEL).iterdir() if p.name.startswith(line["v2"]))
+    return (
+        line["state"]
+        / "cache"
+        / "releases"
+        / MODEL
+        / next(
+            p.name for p in (line["state"] / "cache" / "releases" / MODEL).iterdir() if p.name.startswith(line["v2"])
+        )
+    )
 
 
 def _published(line: dict) -> Path:
     """v2's release folder as MLflow stores it (the pyfunc model's artifacts/release)."""
-    return next(p.parent for p in (line["state"] / "mlflow" / "artifacts").rglob(MANIFEST)
-                if f"versions/{line['v2']}/artifacts/release" in p.as_posix())
+    return next(
+        p.parent
+        for p in (line["state"] / "mlflow" / "artifacts").rglob(MANIFEST)
+        if f"versions/{line['v2']}/artifacts/release" in p.as_posix()
+    )
 
 
 def test_unedited_folders_load_on_every_path_and_carry_the_recorded_sha256(line):
@@ -231,8 +260,12 @@ def test_a_folder_without_sidecar_or_backbone_weights_is_refused_unless_the_call
     manifest = json.loads((folder / MANIFEST).read_text())
     del manifest["backbone"]["weights_sha256"]
     write_manifest(folder, manifest)
-    _refused(lambda: load_folder(folder, dtype="float32", backbone_loader=load_model), str(folder / MANIFEST),
-             "weights_sha256", "verify_backbone=False")
+    _refused(
+        lambda: load_folder(folder, dtype="float32", backbone_loader=load_model),
+        str(folder / MANIFEST),
+        "weights_sha256",
+        "verify_backbone=False",
+    )
     assert len(load_folder(folder, dtype="float32", backbone_loader=load_model, verify_backbone=False).chain) == 2
 
 

@@ -4,6 +4,7 @@ load path, and what the MLflow UI shows of the training runs.
 
 Two cycles build the chain: v1 an ATLAS residual (skill a), v2 a Weight-LoRA on top (skill b).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,35 +19,62 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.flows_fixtures import prefect_harness, use_state, write_yaml  # noqa: F401
+from tests.flows_fixtures import use_state, write_yaml
 
 MODEL = "tiny-llama.use"
-RETAINED = {"domains": ["csqa"], "kl_contexts": 6, "kl_max_tokens": 128, "gsm8k_questions": 2, "csqa_questions": 6,
-            "max_new_tokens": 4, "batch_size": 4, "replay_examples": 8}
-BASE = {"backbone": "tiny-llama", "dtype": "float32", "layer": 2, "line": "use", "retained": RETAINED,
-        "atlas": {"num_vectors": 64, "charts": 4, "rank": 4},
-        "train": {"epochs": 1, "lr": 1.0e-2, "batch_size": 4, "max_length": 512, "on_bad_example": "truncate"}}
+RETAINED = {
+    "domains": ["csqa"],
+    "kl_contexts": 6,
+    "kl_max_tokens": 128,
+    "gsm8k_questions": 2,
+    "csqa_questions": 6,
+    "max_new_tokens": 4,
+    "batch_size": 4,
+    "replay_examples": 8,
+}
+BASE = {
+    "backbone": "tiny-llama",
+    "dtype": "float32",
+    "layer": 2,
+    "line": "use",
+    "retained": RETAINED,
+    "atlas": {"num_vectors": 64, "charts": 4, "rank": 4},
+    "train": {"epochs": 1, "lr": 1.0e-2, "batch_size": 4, "max_length": 512, "on_bad_example": "truncate"},
+}
 
 
 def _policy(name: str, method: str) -> dict:
-    return {"name": name, "candidates": {"methods": [method], "seeds": [0]}, "min_target_gain": 0,
-            "max_kl_vs_champion": {"csqa": 50.0, "released": 50.0}, "max_kl_vs_base": {"csqa": 50.0},
-            "nfr": {"max_vs_champion": {"csqa": 1.0}, "max_vs_base": {"csqa": 1.0}},
-            "no_regression": {"released": {"tolerance": 1000.0, "min_n": 4}}}  # skill a's reference-nll: 4 problems
+    return {
+        "name": name,
+        "candidates": {"methods": [method], "seeds": [0]},
+        "min_target_gain": 0,
+        "max_kl_vs_champion": {"csqa": 50.0, "released": 50.0},
+        "max_kl_vs_base": {"csqa": 50.0},
+        "nfr": {"max_vs_champion": {"csqa": 1.0}, "max_vs_base": {"csqa": 1.0}},
+        "no_regression": {"released": {"tolerance": 1000.0, "min_n": 4}},
+    }  # skill a's reference-nll: 4 problems
 
 
 @pytest.fixture(scope="module")
-def line(prefect_harness, tmp_path_factory):  # noqa: F811
+def line(prefect_harness, tmp_path_factory):
     """A state folder whose line `use` has champion v2 = base + ATLAS residual + Weight-LoRA."""
     tmp = tmp_path_factory.mktemp("use")
     with pytest.MonkeyPatch.context() as mp:
         use_state(mp, tmp / "state")
         from flows.update import update
 
-        code = BASE | {"name": "a", "skill": "a", "data": {"source": "mbpp", "train_limit": 8, "val_limit": 4},
-                       "target": {"scorer": "reference-nll", "options": {"source": "mbpp", "limit": 4}}}
-        math = BASE | {"name": "b", "skill": "b", "data": {"source": "gsm8k", "train_limit": 8, "val_limit": 4},
-                       "target": {"scorer": "reference-nll", "options": {"source": "gsm8k", "limit": 4}}}
+        code = BASE | {
+            "name": "a",
+            "skill": "a",
+            "data": {"source": "mbpp", "train_limit": 8, "val_limit": 4},
+            "target": {"scorer": "reference-nll", "options": {"source": "mbpp", "limit": 4}},
+        }
+        math = BASE | {
+            "name": "b",
+            "skill": "b",
+            "data": {"source": "gsm8k", "train_limit": 8, "val_limit": 4},
+            "target": {"scorer": "reference-nll", "options": {"source": "gsm8k", "limit": 4}},
+        }
         first = update(write_yaml(tmp / "a.yaml", code), write_yaml(tmp / "p1.yaml", _policy("p1", "atlas")))
         second = update(write_yaml(tmp / "b.yaml", math), write_yaml(tmp / "p2.yaml", _policy("p2", "weight-lora")))
         assert first["promoted"] and second["promoted"], (first, second)
@@ -145,8 +173,11 @@ def test_a_flipped_byte_is_rejected_on_the_ledger_and_the_mlflow_paths(line):
     from registry import ArtifactCorruptedError
 
     # MLflow: a delta of the champion's stored model version.
-    stored = next(p for p in (line["state"] / "mlflow" / "artifacts").rglob(f"01-{line['v1']}.safetensors")
-                  if f"versions/{line['v2']}/" in str(p))  # v1's delta, as the champion v2's chain holds it
+    stored = next(
+        p
+        for p in (line["state"] / "mlflow" / "artifacts").rglob(f"01-{line['v1']}.safetensors")
+        if f"versions/{line['v2']}/" in str(p)
+    )  # v1's delta, as the champion v2's chain holds it
     sha = json.loads(stored.with_suffix(".json").read_text())["sha256"]
     with flipped(stored):
         with pytest.raises(IntegrityError, match=sha) as e:
@@ -167,8 +198,13 @@ def test_a_flipped_byte_is_rejected_on_the_ledger_and_the_mlflow_paths(line):
 
 
 def _atlas(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *argv], capture_output=True, text=True, timeout=300,
-                          env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"HF_HUB_OFFLINE": "1"},
+    )
 
 
 def test_atlas_generate_streams_writes_jsonl_and_rejects_bad_input(line, tmp_path):
@@ -206,7 +242,10 @@ def test_atlas_export_folder_loads_back_and_merged_refuses_a_residual(line, tmp_
     merged = _atlas("export", "champion", *common, "--format", "merged", "--out", str(tmp_path / "merged"))
     assert merged.returncode == 2 and "input-conditioned" in merged.stderr
     lora_only = _atlas("export", line["v1"], *common, "--format", "peft", "--out", str(tmp_path / "peft"))
-    assert lora_only.returncode == 0 and json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["peft_type"] == "ATLAS"
+    assert (
+        lora_only.returncode == 0
+        and json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["peft_type"] == "ATLAS"
+    )
 
 
 def test_atlas_export_mlflow_bundles_the_backbone_into_a_pyfunc_model_folder(line, tmp_path, monkeypatch):
@@ -215,8 +254,21 @@ def test_atlas_export_mlflow_bundles_the_backbone_into_a_pyfunc_model_folder(lin
     monkeypatch.setenv("ATLAS_DTYPE", "float32")  # the bundled folder loads like any model folder: auto may be bf16
 
     out = tmp_path / "served"
-    done = _atlas("export", "champion", "--backbone", "tiny-llama", "--line", "use", "--dtype", "float32",
-                  "--format", "mlflow", "--bundle-backbone", "--out", str(out))
+    done = _atlas(
+        "export",
+        "champion",
+        "--backbone",
+        "tiny-llama",
+        "--line",
+        "use",
+        "--dtype",
+        "float32",
+        "--format",
+        "mlflow",
+        "--bundle-backbone",
+        "--out",
+        str(out),
+    )
     assert done.returncode == 0, done.stderr
     assert (out / "MLmodel").is_file() and (out / "artifacts" / "release" / "backbone" / "config.json").is_file()
     model = mlflow.pyfunc.load_model(str(out))  # no ledger, no registry: the folder is everything
@@ -238,11 +290,29 @@ def test_mlflow_models_serve_answers_an_invocation(line):
 
     port = _free_port()
     mlflow_cli = Path(sys.executable).with_name("mlflow")
-    server = subprocess.Popen([str(mlflow_cli), "models", "serve", "-m", f"models:/{MODEL}@champion", "--env-manager",
-                               "local", "-h", "127.0.0.1", "-p", str(port)],
-                              env=os.environ | {"HF_HUB_OFFLINE": "1",  # it starts `uvicorn` from PATH
-                                                "PATH": f"{mlflow_cli.parent}{os.pathsep}{os.environ['PATH']}"},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [
+            str(mlflow_cli),
+            "models",
+            "serve",
+            "-m",
+            f"models:/{MODEL}@champion",
+            "--env-manager",
+            "local",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+        ],
+        env=os.environ
+        | {
+            "HF_HUB_OFFLINE": "1",  # it starts `uvicorn` from PATH
+            "PATH": f"{mlflow_cli.parent}{os.pathsep}{os.environ['PATH']}",
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 240
         while True:
@@ -251,14 +321,16 @@ def test_mlflow_models_serve_answers_an_invocation(line):
                     break
             except OSError:
                 pass
-            assert server.poll() is None and time.time() < deadline, server.stdout.read() if server.poll() is not None else "timeout"
+            assert server.poll() is None and time.time() < deadline, (
+                server.stdout.read() if server.poll() is not None else "timeout"
+            )
             time.sleep(1)
         body = json.dumps({"dataframe_records": [{"prompt": "Add two numbers."}], "params": {"max_new_tokens": 3}})
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", body.encode(),
-                                         {"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/invocations", body.encode(), {"Content-Type": "application/json"}
+        )
         answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
         assert len(answer["predictions"]) == 1 and isinstance(answer["predictions"][0]["text"], str)
     finally:
         server.terminate()
         server.wait(timeout=30)
-

@@ -1,4 +1,5 @@
 """bench/repro/early_steps.py: a method's first epoch at a finer grain, scored as the runner scores."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """bench/repro/mean_share.py: the shared-mean diagnostic behind RESULTS.md's centering paragraph."""
+
 import torch
 
 from bench.repro.mean_share import mean_share, typical

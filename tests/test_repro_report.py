@@ -1,5 +1,6 @@
 """The report on a hand-made results folder gives the comparison numbers worked out by hand,
 and the experiment config refuses bad files with the field named."""
+
 from __future__ import annotations
 
 import math
@@ -11,14 +12,22 @@ from bench.repro.config import repro_from_dict
 from bench.repro.report import update_docs, write_report
 from bench.repro.store import ResultStore
 
-CONFIG = {"name": "hand", "methods": [{"name": "atlas", "config": "a"}, {"name": "plain", "config": "p"}],
-          "reference": "atlas", "extra_pairs": [], "seeds": [0, 1], "lr_grid": [1e-3, 1e-2],
-          "eval": {"nll_levels": 3}}
+CONFIG = {
+    "name": "hand",
+    "methods": [{"name": "atlas", "config": "a"}, {"name": "plain", "config": "p"}],
+    "reference": "atlas",
+    "extra_pairs": [],
+    "seeds": [0, 1],
+    "lr_grid": [1e-3, 1e-2],
+    "eval": {"nll_levels": 3},
+}
 # (solved, held-out NLL, KL) per checkpoint; NLL = 2 - solved / 10, so both comparisons see the same order
-RUNS = {("atlas", 0): [(10, 1.0, 0.01), (12, 0.8, 0.02), (14, 0.6, 0.04)],
-        ("plain", 0): [(10, 1.0, 0.02), (12, 0.8, 0.04), (14, 0.6, 0.08)],
-        ("atlas", 1): [(11, 0.9, 0.01), (13, 0.7, 0.03)],
-        ("plain", 1): [(11, 0.9, 0.04), (14, 0.6, 0.06)]}
+RUNS = {
+    ("atlas", 0): [(10, 1.0, 0.01), (12, 0.8, 0.02), (14, 0.6, 0.04)],
+    ("plain", 0): [(10, 1.0, 0.02), (12, 0.8, 0.04), (14, 0.6, 0.08)],
+    ("atlas", 1): [(11, 0.9, 0.01), (13, 0.7, 0.03)],
+    ("plain", 1): [(11, 0.9, 0.04), (14, 0.6, 0.06)],
+}
 BASE_ANSWERS = [("q1", "1", True), ("q2", "2", True), ("q3", "5", False), ("q4", "7", False)]
 FINAL_ANSWERS = [("q1", "1", True), ("q2", "9", False), ("q3", "3", True), ("q4", "7", False)]  # F=1, G=1, W=0
 
@@ -31,23 +40,50 @@ def _answers(rows):
 def results(tmp_path):
     store = ResultStore(tmp_path, "f" * 64, {"atlas": "a" * 64, "plain": "b" * 64})
     store.check_experiment(CONFIG)
-    store.write(store.base_path(), {"mbpp_plus": {"n": 20, "solved": 8, "base_solved": 9}, "heldout_nll": 1.1,
-                                    "kl": {"mean": 0.0}, "gsm8k_answers": _answers(BASE_ANSWERS), "seconds": {}})
+    store.write(
+        store.base_path(),
+        {
+            "mbpp_plus": {"n": 20, "solved": 8, "base_solved": 9},
+            "heldout_nll": 1.1,
+            "kl": {"mean": 0.0},
+            "gsm8k_answers": _answers(BASE_ANSWERS),
+            "seconds": {},
+        },
+    )
     for method in ("atlas", "plain"):
         store.write(store.lr_path(method), {"best_lr": 1e-3, "val_loss": {}})
         for lr, loss in ((1e-3, 0.9), (1e-2, 1.2)):
-            store.write(store.sweep_path(method, lr), {"method": method, "lr": lr, "best_val_loss": loss,
-                                                       "diverged": False})
+            store.write(
+                store.sweep_path(method, lr), {"method": method, "lr": lr, "best_val_loss": loss, "diverged": False}
+            )
     for (method, seed), points in RUNS.items():
         for step, (solved, nll, kl) in enumerate(points, start=1):
             final = step == len(points)
-            store.write(store.unit_path(method, seed, step), {
-                "method": method, "seed": seed, "step": step, "epoch": float(step), "final": final,
-                "mbpp_plus": {"n": 20, "solved": solved, "base_solved": solved + 1}, "heldout_nll": nll,
-                "kl": {"mean": kl}, "seconds": {"kl": 2.0, "mbpp_plus": 4.0},
-                **({"gsm8k_answers": _answers(FINAL_ANSWERS)} if final else {})})
-        store.write(store.run_path(method, seed), {"method": method, "seed": seed, "steps": list(range(1, len(points) + 1)),
-                                                   "steps_per_epoch": 1, "train_seconds": 30.0 * len(points)})
+            store.write(
+                store.unit_path(method, seed, step),
+                {
+                    "method": method,
+                    "seed": seed,
+                    "step": step,
+                    "epoch": float(step),
+                    "final": final,
+                    "mbpp_plus": {"n": 20, "solved": solved, "base_solved": solved + 1},
+                    "heldout_nll": nll,
+                    "kl": {"mean": kl},
+                    "seconds": {"kl": 2.0, "mbpp_plus": 4.0},
+                    **({"gsm8k_answers": _answers(FINAL_ANSWERS)} if final else {}),
+                },
+            )
+        store.write(
+            store.run_path(method, seed),
+            {
+                "method": method,
+                "seed": seed,
+                "steps": list(range(1, len(points) + 1)),
+                "steps_per_epoch": 1,
+                "train_seconds": 30.0 * len(points),
+            },
+        )
     return tmp_path
 
 
@@ -90,12 +126,24 @@ def test_common_levels_are_those_every_method_reaches(results):
     store.check_experiment({**CONFIG, "methods": methods})
     for seed in (0, 1):
         for step, (solved, nll) in enumerate(((12, 0.8), (13, 0.7)), start=1):
-            store.write(store.unit_path("narrow", seed, step), {
-                "method": "narrow", "seed": seed, "step": step, "epoch": float(step), "final": False,
-                "mbpp_plus": {"n": 20, "solved": solved, "base_solved": solved}, "heldout_nll": nll,
-                "kl": {"mean": 0.05}, "seconds": {}})
-        store.write(store.run_path("narrow", seed), {"method": "narrow", "seed": seed, "steps": [1, 2],
-                                                     "steps_per_epoch": 1, "train_seconds": 60.0})
+            store.write(
+                store.unit_path("narrow", seed, step),
+                {
+                    "method": "narrow",
+                    "seed": seed,
+                    "step": step,
+                    "epoch": float(step),
+                    "final": False,
+                    "mbpp_plus": {"n": 20, "solved": solved, "base_solved": solved},
+                    "heldout_nll": nll,
+                    "kl": {"mean": 0.05},
+                    "seconds": {},
+                },
+            )
+        store.write(
+            store.run_path("narrow", seed),
+            {"method": "narrow", "seed": seed, "steps": [1, 2], "steps_per_epoch": 1, "train_seconds": 60.0},
+        )
     text = write_report(results)
     pairwise, common = text.split("#### The same at levels every finished method")
     assert "| atlas vs plain | 11-13 (3) |" in pairwise
@@ -115,24 +163,30 @@ def test_docs_section_is_replaced_in_place(tmp_path):
     assert text.count("<!-- repro:x:begin -->") == 1
 
 
-GOOD = {"name": "t", "methods": {"atlas": "configs/train/atlas.yaml", "plain": "configs/train/plain.yaml"},
-        "seeds": [0, 1], "lr_grid": [2e-4, "1e-3"]}
+GOOD = {
+    "name": "t",
+    "methods": {"atlas": "configs/train/atlas.yaml", "plain": "configs/train/plain.yaml"},
+    "seeds": [0, 1],
+    "lr_grid": [2e-4, "1e-3"],
+}
 
 
 def test_config_parses_and_names_bad_fields():
     config = repro_from_dict(GOOD)
     assert config.lr_grid == [2e-4, 1e-3] and config.run_config("plain", 1, 1e-3).train.seed == 1
     assert config.run_config("atlas", 0, 1e-3).layer == 15
-    for change, message in [({"seeds": []}, "seeds: expected a non-empty list"),
-                            ({"lr_grid": [1e-3, "fast"]}, r"lr_grid\[1\]: expected a number"),
-                            ({"eval": {"kl_contexts": 0}}, "eval.kl_contexts: expected a positive integer"),
-                            ({"eval": {"kl_context": 5}}, "eval.kl_context: unknown field"),
-                            ({"methods": {"x": "configs/train/nope.yaml"}}, "methods.x: config file"),
-                            ({"reference": "lora"}, "reference: expected one of the methods"),
-                            ({"extra_pairs": ["plain"]}, "extra_pairs: expected 'method:baseline'"),
-                            ({"dtype": "fp16"}, "dtype: expected one of"),
-                            ({"epochs": "5"}, "epochs: expected an integer"),
-                            ({"colour": 1}, "colour: unknown field")]:
+    for change, message in [
+        ({"seeds": []}, "seeds: expected a non-empty list"),
+        ({"lr_grid": [1e-3, "fast"]}, r"lr_grid\[1\]: expected a number"),
+        ({"eval": {"kl_contexts": 0}}, "eval.kl_contexts: expected a positive integer"),
+        ({"eval": {"kl_context": 5}}, "eval.kl_context: unknown field"),
+        ({"methods": {"x": "configs/train/nope.yaml"}}, "methods.x: config file"),
+        ({"reference": "lora"}, "reference: expected one of the methods"),
+        ({"extra_pairs": ["plain"]}, "extra_pairs: expected 'method:baseline'"),
+        ({"dtype": "fp16"}, "dtype: expected one of"),
+        ({"epochs": "5"}, "epochs: expected an integer"),
+        ({"colour": 1}, "colour: unknown field"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             repro_from_dict({**GOOD, **change})
     with pytest.raises(ConfigError, match="lr_grid: field is missing"):
@@ -145,8 +199,15 @@ def test_fingerprint_follows_what_changes_results():
     assert repro_from_dict(dict(GOOD)).fingerprint() == a
     assert repro_from_dict({**GOOD, "eval": {"kl_contexts": 64}}).fingerprint() != a
     assert repro_from_dict({**GOOD, "lr_grid": [2e-4]}).fingerprint() != a
-    grown = repro_from_dict({**GOOD, "seeds": [0, 1, 2], "name": "u", "reference": "plain",
-                             "methods": {**GOOD["methods"], "weight-lora": "configs/train/weight-lora.yaml"}})
+    grown = repro_from_dict(
+        {
+            **GOOD,
+            "seeds": [0, 1, 2],
+            "name": "u",
+            "reference": "plain",
+            "methods": {**GOOD["methods"], "weight-lora": "configs/train/weight-lora.yaml"},
+        }
+    )
     assert grown.fingerprint() == a  # more seeds and methods, another name or reference: the same units
     assert {m: grown.method_fingerprints()[m] for m in methods} == methods
     assert methods["atlas"] != methods["plain"]
@@ -160,7 +221,8 @@ def test_methods_without_results_are_listed_as_not_run_yet(results):
     stored = json.loads(path.read_text())
     methods = CONFIG["methods"] + [{"name": "lora-null", "config": "l"}]
     ResultStore(results, "f" * 64, {**stored["method_fingerprints"], "lora-null": "c" * 64}).check_experiment(
-        {**CONFIG, "methods": methods})
+        {**CONFIG, "methods": methods}
+    )
     text = write_report(results)
     assert "| atlas vs lora-null | not run yet (lora-null) | | | | |" in text  # every comparison table
     assert text.count("not run yet (lora-null)") == 4 and "Not run yet: lora-null." in text

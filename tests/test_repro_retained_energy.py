@@ -1,4 +1,5 @@
 """bench/repro/retained_energy.py: the diagnostic behind RESULTS.md's O-LoRA paragraph."""
+
 import torch
 
 from bench.repro.retained_energy import through_a, update_energy

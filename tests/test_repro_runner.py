@@ -1,5 +1,6 @@
 """The reproduction runner on a tiny model: resume after interruption, a finished experiment
 re-run does no training or scoring, and the results equal an uninterrupted run's."""
+
 from __future__ import annotations
 
 import json
@@ -24,12 +25,28 @@ from tests.train_fixtures import toy_pairs
 
 LAYER = 2
 CONFIG = {
-    "name": "tiny", "backbone": "tiny", "dtype": "float32", "layer": LAYER, "rank": 4,
-    "methods": {"atlas": "configs/train/atlas.yaml", "plain": "configs/train/plain.yaml",
-                "weight-lora": "configs/train/weight-lora.yaml"},
-    "reference": "atlas", "seeds": [0, 1], "epochs": 2, "lr_grid": [3e-3, 1e-1],
-    "eval": {"mbpp_plus_limit": 4, "heldout_limit": 4, "kl_contexts": 6, "churn_questions": 4, "kl_batch_size": 4,
-             "nll_levels": 3},
+    "name": "tiny",
+    "backbone": "tiny",
+    "dtype": "float32",
+    "layer": LAYER,
+    "rank": 4,
+    "methods": {
+        "atlas": "configs/train/atlas.yaml",
+        "plain": "configs/train/plain.yaml",
+        "weight-lora": "configs/train/weight-lora.yaml",
+    },
+    "reference": "atlas",
+    "seeds": [0, 1],
+    "epochs": 2,
+    "lr_grid": [3e-3, 1e-1],
+    "eval": {
+        "mbpp_plus_limit": 4,
+        "heldout_limit": 4,
+        "kl_contexts": 6,
+        "churn_questions": 4,
+        "kl_batch_size": 4,
+        "nll_levels": 3,
+    },
 }
 
 
@@ -69,8 +86,18 @@ class TinyWorld:
             return [Answer(f"q{i}", str(int(t)), int(t) % 2 == 0) for i, t in enumerate(top)]
 
         contexts = [f"Question: {i} + {i} = ? Answer: {2 * i}. The answer is {2 * i}." for i in range(6)]
-        return Workload(model, tok, _pairs(16, 0, "t"), _pairs(6, 1, "v"), _pairs(4, 2, "h"), contexts,
-                        score_target, answer_retained, atlas, info={"backbone": "tiny"})
+        return Workload(
+            model,
+            tok,
+            _pairs(16, 0, "t"),
+            _pairs(6, 1, "v"),
+            _pairs(4, 2, "h"),
+            contexts,
+            score_target,
+            answer_retained,
+            atlas,
+            info={"backbone": "tiny"},
+        )
 
 
 def _run(results: Path, state: Path, world: TinyWorld, minutes: float | None = None) -> bool:
@@ -81,8 +108,13 @@ def _unit_values(results: Path) -> dict:
     out = {}
     for path in sorted((results / "units").glob("*/*.json")):
         u = json.loads(path.read_text())
-        out[path.relative_to(results).as_posix()] = (u["mbpp_plus"]["solved"], u["heldout_nll"], u["kl"]["mean"],
-                                                     u["val_loss"], u.get("gsm8k_answers"))
+        out[path.relative_to(results).as_posix()] = (
+            u["mbpp_plus"]["solved"],
+            u["heldout_nll"],
+            u["kl"]["mean"],
+            u["val_loss"],
+            u.get("gsm8k_answers"),
+        )
     return out
 
 
@@ -109,8 +141,10 @@ def test_full_run_stores_every_unit(finished):
         sweeps = {float(k): v for k, v in lr["val_loss"].items()}
         assert lr["best_lr"] == min(sweeps, key=sweeps.get)
         for seed in (0, 1):
-            kls = [json.loads((results / "units" / method / f"seed{seed}-step{s:06d}.json").read_text())["kl"]["mean"]
-                   for s in (2, 4)]
+            kls = [
+                json.loads((results / "units" / method / f"seed{seed}-step{s:06d}.json").read_text())["kl"]["mean"]
+                for s in (2, 4)
+            ]
             assert all(k > 0 for k in kls)  # training moved the retained outputs
         # seed 0 at the chosen rate is that rate's sweep run; seed 1 trains at the chosen rate only
         runs = root / "state" / "runs" / method
@@ -212,8 +246,13 @@ def test_added_method_and_seed_train_only_what_is_new(finished, tmp_path, monkey
     assert "| atlas vs centered |" in write_report(tmp_path / "results")
     trained = []
     monkeypatch.setattr(runner_module.Runner, "run_one", lambda self, m, seed, lr: trained.append((m, seed)))
-    Runner(repro_from_dict({**grown, "seeds": [0, 1, 2]}), tmp_path / "results", tmp_path / "state", TinyWorld(),
-           Budget(None)).run()
+    Runner(
+        repro_from_dict({**grown, "seeds": [0, 1, 2]}),
+        tmp_path / "results",
+        tmp_path / "state",
+        TinyWorld(),
+        Budget(None),
+    ).run()
     assert trained == [(m, 2) for m in grown["methods"]]  # a new seed: only its runs, no sweep again
 
 

@@ -1,6 +1,7 @@
 """Results fingerprinted per method: adding a method or a seed keeps every stored file valid, a
 changed training config refuses that method's files only, a changed shared setting refuses the
 experiment; the one-off migration from the old whole-config fingerprint (bench/repro/migrate.py)."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,16 @@ def _config(tmp_path: Path, **change):
     plain = tmp_path / "plain.yaml"  # a method whose training config a test edits
     if not plain.is_file():
         plain.write_text(PLAIN)
-    return repro_from_dict({"name": "t", "methods": {"atlas": "configs/train/atlas.yaml", "plain": str(plain)},
-                            "seeds": [0, 1], "lr_grid": [1e-3], "eval": {"kl_contexts": 8}, **change})
+    return repro_from_dict(
+        {
+            "name": "t",
+            "methods": {"atlas": "configs/train/atlas.yaml", "plain": str(plain)},
+            "seeds": [0, 1],
+            "lr_grid": [1e-3],
+            "eval": {"kl_contexts": 8},
+            **change,
+        }
+    )
 
 
 def _records(store: ResultStore) -> dict[Path, dict]:
@@ -48,9 +57,15 @@ def stored(tmp_path):
 
 
 def test_adding_a_method_and_a_seed_keeps_every_stored_result_valid(stored):
-    config = _config(stored, seeds=[0, 1, 2], methods={"atlas": "configs/train/atlas.yaml",
-                                                       "plain": str(stored / "plain.yaml"),
-                                                       "weight-lora": "configs/train/weight-lora.yaml"})
+    config = _config(
+        stored,
+        seeds=[0, 1, 2],
+        methods={
+            "atlas": "configs/train/atlas.yaml",
+            "plain": str(stored / "plain.yaml"),
+            "weight-lora": "configs/train/weight-lora.yaml",
+        },
+    )
     store = ResultStore.of(config, stored / "results")
     store.check_experiment(config.to_dict())
     for path, record in _records(store).items():
@@ -84,9 +99,11 @@ def test_a_changed_training_config_refuses_that_method_only(stored):
 def test_a_changed_shared_setting_is_refused_naming_the_field(stored):
     results = stored / "results"
     before = (results / "experiment.json").read_text()
-    for change, message in [({"eval": {"kl_contexts": 16}}, "fields differing: eval.kl_contexts"),
-                            ({"epochs": 3}, "fields differing: epochs"),
-                            ({"seeds": [1, 0]}, "seeds: the stored sweeps were run at seed 0")]:
+    for change, message in [
+        ({"eval": {"kl_contexts": 16}}, "fields differing: eval.kl_contexts"),
+        ({"epochs": 3}, "fields differing: epochs"),
+        ({"seeds": [1, 0]}, "seeds: the stored sweeps were run at seed 0"),
+    ]:
         config = _config(stored, **change)
         store = ResultStore.of(config, results)
         with pytest.raises(StaleResults, match=message):
@@ -106,8 +123,9 @@ def _old_folder(tmp_path: Path) -> tuple[Path, dict]:
     root = tmp_path / "old"
     for path, record in _records(ResultStore(root, "", {"atlas": "", "plain": ""})).items():
         atomic_write_json(path, {"schema": 1, "fingerprint": old, **record})
-    atomic_write_json(root / "experiment.json", {"schema": 1, "fingerprint": old, "config": config,
-                                                 "atlas_sha256": "a" * 64})
+    atomic_write_json(
+        root / "experiment.json", {"schema": 1, "fingerprint": old, "config": config, "atlas_sha256": "a" * 64}
+    )
     return root, config
 
 
@@ -122,8 +140,9 @@ def test_migration_rewrites_only_the_fingerprints(tmp_path):
     for path, record in before.items():
         migrated = store.read(path)
         assert migrated["fingerprint"] == store.expected(path) != record["fingerprint"]
-        assert {k: v for k, v in migrated.items() if k not in ("fingerprint", "method_fingerprints")} == \
-            {k: v for k, v in record.items() if k != "fingerprint"}
+        assert {k: v for k, v in migrated.items() if k not in ("fingerprint", "method_fingerprints")} == {
+            k: v for k, v in record.items() if k != "fingerprint"
+        }
     assert migrate(root) == 0  # a second run finds nothing to do
 
 

@@ -1,4 +1,5 @@
 """bench/repro/token_loss_share.py: the hard tokens' share of each objective's loss, by hand."""
+
 from __future__ import annotations
 
 import math
@@ -15,11 +16,13 @@ def test_shares_by_hand() -> None:
     shares = loss_shares(nll, [[0, 1], [2]])
     assert shares["tokens"] == pytest.approx(2 / 5)
     assert shares["ce"] == pytest.approx(3.0 / 3.8)
+
     # TALR per batch: tau = median of per-sequence means; batch 1: means 1.25, 0.1 -> tau 0.675
     # (torch.quantile: the mean of the two middle values); batch 2: one sequence, tau 0.6
-    def wl(l, tau):
-        w = [math.exp(-x / tau) for x in l]
-        return [wi * len(l) / sum(w) * x for wi, x in zip(w, l)]
+    def wl(losses, tau):
+        w = [math.exp(-x / tau) for x in losses]
+        return [wi * len(losses) / sum(w) * x for wi, x in zip(w, losses)]
+
     b1, b2 = wl([2.0, 0.5, 0.1], 0.675), wl([1.0, 0.2], 0.6)
     assert shares["talr"] == pytest.approx((b1[0] + b2[0]) / (sum(b1) + sum(b2)), rel=1e-5)
     assert shares["talr"] < shares["ce"] and shares["stm"] == 0.0

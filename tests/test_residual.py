@@ -1,4 +1,5 @@
 """The residual operator, its variants, attaching it to tiny Llama/Qwen3 models, adapter files."""
+
 import pytest
 import torch
 

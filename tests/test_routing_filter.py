@@ -1,4 +1,5 @@
 """Routing weights and the routed filter P(h) against slow per-token references."""
+
 import pytest
 import torch
 
@@ -51,7 +52,7 @@ def test_routing_in_bf16_uses_fp32_distances(atlas):
     # Distances formed in bf16 pick other top-n sets for some tokens, so the check above tells them apart.
     c = atlas.centers.bfloat16()
     d2_bf16 = (h * h).sum(-1)[:, None] - 2.0 * h @ c.T + (c * c).sum(-1)
-    chosen = lambda scores: scores.topk(4, dim=-1).indices.sort(-1).values  # noqa: E731
+    chosen = lambda scores: scores.topk(4, dim=-1).indices.sort(-1).values
     assert (chosen(-d2_bf16.float()) != chosen(w)).any(-1).sum() > 0
 
 
@@ -84,7 +85,7 @@ def test_filter_is_identity_on_the_orthogonal_complement(atlas):
     for i in range(5):
         chosen = atlas.bases[w[i] > 0].permute(1, 0, 2).reshape(32, -1)  # (d, n*m) selected bases
         q, _ = torch.linalg.qr(chosen, mode="complete")
-        complement = q[:, chosen.shape[1]:]  # orthonormal basis of the complement
+        complement = q[:, chosen.shape[1] :]  # orthonormal basis of the complement
         out = apply_filter(complement.T, w[i].expand(complement.shape[1], -1), atlas.flat_bases())
         torch.testing.assert_close(out, complement.T, atol=1e-5, rtol=0)
         # and it attenuates the directions of the chart the token is routed to most

@@ -1,5 +1,6 @@
 """A skill's data snapshots: which file of a folder is taken (complete or invisible), its held-out
 split, and the check that refuses a skill a cycle could not use, all before anything trains."""
+
 from __future__ import annotations
 
 import hashlib
@@ -14,8 +15,10 @@ from flows.skills import SkillSpec, holdout_split, require_evaluable, resolve_sn
 
 
 def pairs(n: int, start: int = 0) -> list[dict]:
-    return [{"id": f"p{i}", "prompt": f"Write function number {i}.", "response": f"def f{i}(): return {i}"}
-            for i in range(start, start + n)]
+    return [
+        {"id": f"p{i}", "prompt": f"Write function number {i}.", "response": f"def f{i}(): return {i}"}
+        for i in range(start, start + n)
+    ]
 
 
 def write(path, rows) -> str:
@@ -40,7 +43,8 @@ def test_a_snapshot_still_being_written_is_invisible(tmp_path):
 def test_in_a_folder_with_sidecars_only_a_snapshot_with_a_matching_sidecar_is_taken(tmp_path):
     first = write(tmp_path / "2026-12-01.jsonl", pairs(3))
     (tmp_path / "2026-12-01.jsonl.sha256").write_text(
-        hashlib.sha256(open(first, "rb").read()).hexdigest() + "  2026-12-01.jsonl\n")
+        hashlib.sha256(open(first, "rb").read()).hexdigest() + "  2026-12-01.jsonl\n"
+    )
     write(tmp_path / "2026-12-02.jsonl", pairs(2))  # its sidecar is not written yet
     assert resolve_snapshot(tmp_path).name == "2026-12-01.jsonl"
     (tmp_path / "2026-12-02.jsonl.sha256").write_text("0" * 64 + "\n")  # does not match
@@ -89,7 +93,10 @@ def test_a_skill_a_cycle_could_not_use_is_refused_before_training_with_the_fix(t
 
 
 def test_a_stored_spec_is_a_record_completed_with_todays_defaults(tmp_path):
-    stored = {"name": "s", "data": {"source": str(tmp_path / "removed.jsonl"), "val_source": None,
-                                    "train_limit": None, "val_limit": 16}, "target": asdict(TargetSpec())}
+    stored = {
+        "name": "s",
+        "data": {"source": str(tmp_path / "removed.jsonl"), "val_source": None, "train_limit": None, "val_limit": 16},
+        "target": asdict(TargetSpec()),
+    }
     restored = SkillSpec.from_dict(stored)  # a file removed since is not an error here (not re-validated)
     assert restored.data["holdout"] == SkillData().holdout

@@ -6,6 +6,7 @@ q_proj / v_proj of every layer and on one MLP projection, per-module rank and al
 -> a few optimiser steps -> save_pretrained -> atlas submit -> atlas gate check --promote.
 The new champion must then be that trained PeftModel on every path a user serves it from.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,28 +15,55 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.flows_fixtures import ledger_counts, prefect_harness, use_state, write_yaml  # noqa: F401
+from tests.flows_fixtures import ledger_counts, use_state, write_yaml
 
 MODEL = "tiny-llama.ext"
-RETAINED = {"domains": ["gsm8k", "csqa"], "kl_contexts": 6, "kl_max_tokens": 128, "gsm8k_questions": 2, "csqa_questions": 6,
-            "max_new_tokens": 4, "batch_size": 4, "generation_batch_size": 2, "replay_examples": 8}
-BASE = {"backbone": "tiny-llama", "dtype": "float32", "layer": 2, "line": "ext", "retained": RETAINED,
-        "atlas": {"num_vectors": 64, "charts": 4, "rank": 4},
-        "train": {"epochs": 1, "lr": 1.0e-2, "batch_size": 4, "max_length": 512, "on_bad_example": "truncate"}}
-CODE = BASE | {"name": "a", "skill": "a", "data": {"source": "mbpp", "train_limit": 8, "val_limit": 4},
-               "target": {"scorer": "reference-nll", "options": {"source": "mbpp", "limit": 4}}}
-MATH = BASE | {"name": "b", "skill": "b", "data": {"source": "gsm8k", "train_limit": 8, "val_limit": 4},
-               "target": {"scorer": "reference-nll", "options": {"source": "gsm8k", "limit": 4}}}
-POLICY = {"name": "loose", "candidates": {"methods": ["atlas"], "seeds": [0]}, "min_target_gain": 0,
-          "max_kl_vs_champion": {"gsm8k": 50.0, "csqa": 50.0, "released": 50.0},
-          "max_kl_vs_base": {"gsm8k": 50.0, "csqa": 50.0},
-          "nfr": {"max_vs_champion": {"gsm8k": 1.0, "csqa": 1.0}, "max_vs_base": {"gsm8k": 1.0, "csqa": 1.0}},
-          "no_regression": {"released": {"tolerance": 1000.0, "min_n": 2}}}
+RETAINED = {
+    "domains": ["gsm8k", "csqa"],
+    "kl_contexts": 6,
+    "kl_max_tokens": 128,
+    "gsm8k_questions": 2,
+    "csqa_questions": 6,
+    "max_new_tokens": 4,
+    "batch_size": 4,
+    "generation_batch_size": 2,
+    "replay_examples": 8,
+}
+BASE = {
+    "backbone": "tiny-llama",
+    "dtype": "float32",
+    "layer": 2,
+    "line": "ext",
+    "retained": RETAINED,
+    "atlas": {"num_vectors": 64, "charts": 4, "rank": 4},
+    "train": {"epochs": 1, "lr": 1.0e-2, "batch_size": 4, "max_length": 512, "on_bad_example": "truncate"},
+}
+CODE = BASE | {
+    "name": "a",
+    "skill": "a",
+    "data": {"source": "mbpp", "train_limit": 8, "val_limit": 4},
+    "target": {"scorer": "reference-nll", "options": {"source": "mbpp", "limit": 4}},
+}
+MATH = BASE | {
+    "name": "b",
+    "skill": "b",
+    "data": {"source": "gsm8k", "train_limit": 8, "val_limit": 4},
+    "target": {"scorer": "reference-nll", "options": {"source": "gsm8k", "limit": 4}},
+}
+POLICY = {
+    "name": "loose",
+    "candidates": {"methods": ["atlas"], "seeds": [0]},
+    "min_target_gain": 0,
+    "max_kl_vs_champion": {"gsm8k": 50.0, "csqa": 50.0, "released": 50.0},
+    "max_kl_vs_base": {"gsm8k": 50.0, "csqa": 50.0},
+    "nfr": {"max_vs_champion": {"gsm8k": 1.0, "csqa": 1.0}, "max_vs_base": {"gsm8k": 1.0, "csqa": 1.0}},
+    "no_regression": {"released": {"tolerance": 1000.0, "min_n": 2}},
+}
 TOL = dict(rtol=0, atol=1e-5)  # fp32: hooks and PEFT's layers sum the same terms in another order
 
 
 @pytest.fixture(scope="module")
-def line(prefect_harness, tmp_path_factory):  # noqa: F811
+def line(prefect_harness, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ext")
     with pytest.MonkeyPatch.context() as mp:
         use_state(mp, tmp / "state")
@@ -44,8 +72,13 @@ def line(prefect_harness, tmp_path_factory):  # noqa: F811
 
         first = update(write_yaml(tmp / "a.yaml", CODE), write_yaml(tmp / "p.yaml", POLICY))
         assert first["promoted"], first
-        yield {"state": tmp / "state", "v1": first["champion"], "tmp": tmp,
-               "config": write_yaml(tmp / "b.yaml", MATH), "policy": str(tmp / "p.yaml")}
+        yield {
+            "state": tmp / "state",
+            "v1": first["champion"],
+            "tmp": tmp,
+            "config": write_yaml(tmp / "b.yaml", MATH),
+            "policy": str(tmp / "p.yaml"),
+        }
 
 
 def _ids() -> torch.Tensor:
@@ -59,8 +92,15 @@ def train_with_peft(out: Path, version: str = "champion", **lora) -> torch.Tenso
     from flows import load_release
 
     release = load_release(MODEL, version, dtype="float32")
-    options = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "model.layers.1.mlp.up_proj"],
-                   rank_pattern={"v_proj": 2}, alpha_pattern={"up_proj": 3}, use_rslora=True, lora_dropout=0.0)
+    options = dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "model.layers.1.mlp.up_proj"],
+        rank_pattern={"v_proj": 2},
+        alpha_pattern={"up_proj": 3},
+        use_rslora=True,
+        lora_dropout=0.0,
+    )
     model = get_peft_model(release.model, LoraConfig(**(options | lora)))
     optimiser = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=5e-2)
     ids = torch.randint(3, 300, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -81,11 +121,12 @@ def atlas(*argv: str) -> int:
     return main(list(argv))
 
 
-def test_a_peft_lora_trained_on_the_champion_is_submitted_gated_promoted_and_served(line, tmp_path, capsys,
-                                                                                     monkeypatch):
-    import evaluation.tasks
+def test_a_peft_lora_trained_on_the_champion_is_submitted_gated_promoted_and_served(
+    line, tmp_path, capsys, monkeypatch
+):
     from peft import PeftModel
 
+    import evaluation.tasks
     from flows import load_release
 
     want = train_with_peft(tmp_path / "adapter")
@@ -99,13 +140,20 @@ def test_a_peft_lora_trained_on_the_champion_is_submitted_gated_promoted_and_ser
     assert json.loads(capsys.readouterr().out)["version"] == name and ledger_counts(line["state"]) == counts
 
     decode, batchings = evaluation.tasks.eval_gsm8k, []
-    monkeypatch.setattr(evaluation.tasks, "eval_gsm8k", lambda *a, **k: batchings.append(k["batch_size"]) or decode(*a, **k))
+    monkeypatch.setattr(
+        evaluation.tasks, "eval_gsm8k", lambda *a, **k: batchings.append(k["batch_size"]) or decode(*a, **k)
+    )
     code = atlas("gate", "check", name, "--config", line["config"], "--policy", line["policy"], "--promote", "--json")
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["passed"] and result["promoted"] and result["champion"] == name, result
     names = {c["name"] for c in result["checks"]}
-    assert {"target_gain_vs_champion", "kl_vs_champion[csqa]", "kl_vs_base[csqa]", "kl_vs_champion[a]",
-            "no_regression[a]"} <= names  # the released skill a is kept like for a trained candidate
+    assert {
+        "target_gain_vs_champion",
+        "kl_vs_champion[csqa]",
+        "kl_vs_base[csqa]",
+        "kl_vs_champion[a]",
+        "no_regression[a]",
+    } <= names  # the released skill a is kept like for a trained candidate
 
     _the_skill_it_passed_with_is_kept_for_later_cycles(line, name)
     ids = _ids()
@@ -116,8 +164,9 @@ def test_a_peft_lora_trained_on_the_champion_is_submitted_gated_promoted_and_ser
         served = load_release(f"models:/{MODEL}@champion", dtype="float32")  # the MLflow pyfunc's release
         torch.testing.assert_close(served.model(ids).logits, want, **TOL)
     out = tmp_path / "peft-export"
-    assert atlas("export", "champion", "--model", MODEL, "--format", "peft", "--since", line["v1"],
-                 "--out", str(out)) == 0
+    assert (
+        atlas("export", "champion", "--model", MODEL, "--format", "peft", "--since", line["v1"], "--out", str(out)) == 0
+    )
     parent = load_release(MODEL, line["v1"], dtype="float32")
     with torch.no_grad():
         torch.testing.assert_close(PeftModel.from_pretrained(parent.model, out)(ids).logits, want, **TOL)
@@ -187,8 +236,13 @@ def whole_forward_kl(line, reference, model) -> float:
         tokenizer = runtime.load_backbone("tiny-llama", "float32").tokenizer
     total, positions = 0.0, 0
     for text in texts:
-        ids = torch.tensor([tokenizer(text, add_special_tokens=False, truncation=True,
-                                      max_length=RETAINED["kl_max_tokens"])["input_ids"]])
+        ids = torch.tensor(
+            [
+                tokenizer(text, add_special_tokens=False, truncation=True, max_length=RETAINED["kl_max_tokens"])[
+                    "input_ids"
+                ]
+            ]
+        )
         ref, got = (F.log_softmax(m(ids).logits.float(), dim=-1) for m in (reference, model))
         total += float(F.kl_div(got, ref, log_target=True, reduction="sum"))
         positions += ids.shape[1]
@@ -206,8 +260,11 @@ def test_lora_options_are_applied_as_peft_applies_them(line, tmp_path):
     base = load_model("tiny-llama", "float32").model
     lora_set = from_peft_folder(tmp_path / "adapter", base)
     peft_model = PeftModel.from_pretrained(load_model("tiny-llama", "float32").model, tmp_path / "adapter")
-    theirs = {name.removeprefix("base_model.model."): m.scaling["default"] for name, m in peft_model.named_modules()
-              if isinstance(getattr(m, "scaling", None), dict)}  # LoRA layers (attention's scaling is a float)
+    theirs = {
+        name.removeprefix("base_model.model."): m.scaling["default"]
+        for name, m in peft_model.named_modules()
+        if isinstance(getattr(m, "scaling", None), dict)
+    }  # LoRA layers (attention's scaling is a float)
     ours = {lora.module_name: lora.scaling for lora in lora_set.loras}
     assert ours == pytest.approx(theirs) and len(ours) == 4 * 2 + 1
     assert {lora.layer for lora in lora_set.loras} == {0, 1, 2, 3} and lora_set.layer == 0
@@ -229,13 +286,19 @@ def test_bad_submissions_get_one_line_and_write_nothing(line, tmp_path, capsys):
     train_with_peft(good)
     counts, stored = ledger_counts(line["state"]), sorted((line["state"] / "artifacts").rglob("*"))
 
-    other = get_peft_model(tiny_llama(len(tiny_tokenizer()), seed=0, hidden_size=32, layers=4),
-                           LoraConfig(r=2, target_modules=["q_proj"]))
+    other = get_peft_model(
+        tiny_llama(len(tiny_tokenizer()), seed=0, hidden_size=32, layers=4), LoraConfig(r=2, target_modules=["q_proj"])
+    )
     other.save_pretrained(tmp_path / "shapes")
     assert "is not a Linear of shape" in _refused(capsys, "submit", str(tmp_path / "shapes"), "--line", MODEL)
 
-    for option, value in (("use_dora", True), ("lora_bias", True), ("modules_to_save", ["lm_head"]),
-                          ("init_lora_weights", "pissa"), ("fan_in_fan_out", True)):
+    for option, value in (
+        ("use_dora", True),
+        ("lora_bias", True),
+        ("modules_to_save", ["lm_head"]),
+        ("init_lora_weights", "pissa"),
+        ("fan_in_fan_out", True),
+    ):
         folder = tmp_path / option
         folder.mkdir()
         (folder / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes())
@@ -274,14 +337,25 @@ def _version_id(line, name: str) -> int:
 
 def test_gate_check_refuses_bad_input_before_anything_runs(line, tmp_path, capsys):
     counts = ledger_counts(line["state"])
-    assert "teaches skill" in _refused(capsys, "gate", "check", f"#{_version_id(line, line['v1'])}",
-                                       "--config", line["config"], "--policy", line["policy"])
-    assert "is the base" in _refused(capsys, "gate", "check", "base", "--config", line["config"],
-                                     "--policy", line["policy"])
-    assert "matches 0 versions" in _refused(capsys, "gate", "check", "v9", "--config", line["config"],
-                                            "--policy", line["policy"])
-    assert "no-such.yaml" in _refused(capsys, "gate", "check", "x", "--config", line["config"],
-                                      "--policy", str(tmp_path / "no-such.yaml"))
+    assert "teaches skill" in _refused(
+        capsys,
+        "gate",
+        "check",
+        f"#{_version_id(line, line['v1'])}",
+        "--config",
+        line["config"],
+        "--policy",
+        line["policy"],
+    )
+    assert "is the base" in _refused(
+        capsys, "gate", "check", "base", "--config", line["config"], "--policy", line["policy"]
+    )
+    assert "matches 0 versions" in _refused(
+        capsys, "gate", "check", "v9", "--config", line["config"], "--policy", line["policy"]
+    )
+    assert "no-such.yaml" in _refused(
+        capsys, "gate", "check", "x", "--config", line["config"], "--policy", str(tmp_path / "no-such.yaml")
+    )
     assert ledger_counts(line["state"]) == counts
 
 
@@ -295,11 +369,26 @@ def test_a_lora_only_chain_exports_merged_and_peft_and_every_source_form_is_one_
     from evaluation.tiny import load_model
 
     want = train_with_peft(tmp_path / "adapter", version="base")
-    assert atlas("submit", str(tmp_path / "adapter"), "--line", MODEL, "--parent", "base", "--skill", "b",
-                 "--name", "lora-only", "--json") == 0
+    assert (
+        atlas(
+            "submit",
+            str(tmp_path / "adapter"),
+            "--line",
+            MODEL,
+            "--parent",
+            "base",
+            "--skill",
+            "b",
+            "--name",
+            "lora-only",
+            "--json",
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["version"] == "lora-only"
-    assert "has that name already" in _refused(capsys, "submit", str(tmp_path / "adapter"), "--line", MODEL,
-                                                "--parent", line["v1"], "--name", "lora-only")
+    assert "has that name already" in _refused(
+        capsys, "submit", str(tmp_path / "adapter"), "--line", MODEL, "--parent", line["v1"], "--name", "lora-only"
+    )
     ids = _ids()
     for fmt in ("merged", "peft"):
         assert atlas("export", "lora-only", "--model", MODEL, "--format", fmt, "--out", str(tmp_path / fmt)) == 0
@@ -329,8 +418,9 @@ def test_the_first_adapter_of_a_new_line_starts_it_on_the_base(line, tmp_path, c
     from flows import load_release
 
     want = train_with_peft(tmp_path / "adapter", version="base")
-    assert "first adapter sits on the base" in _refused(capsys, "submit", str(tmp_path / "adapter"), "--backbone",
-                                                        "tiny-llama", "--line", "fresh", "--parent", "v1")
+    assert "first adapter sits on the base" in _refused(
+        capsys, "submit", str(tmp_path / "adapter"), "--backbone", "tiny-llama", "--line", "fresh", "--parent", "v1"
+    )
     assert atlas("submit", str(tmp_path / "adapter"), "--backbone", "tiny-llama", "--line", "fresh", "--json") == 0
     made = json.loads(capsys.readouterr().out)
     assert made["model"] == "tiny-llama.fresh" and made["parent"] == "tiny-llama-base" and made["new"]
@@ -339,8 +429,7 @@ def test_the_first_adapter_of_a_new_line_starts_it_on_the_base(line, tmp_path, c
     torch.testing.assert_close(got, want, **TOL)
 
 
-def test_an_atlas_residual_joins_from_a_release_folder_or_as_a_delta_file_whose_atlas_is_known(line, tmp_path,
-                                                                                                capsys):
+def test_an_atlas_residual_joins_from_a_release_folder_or_as_a_delta_file_whose_atlas_is_known(line, tmp_path, capsys):
     """v1's ATLAS residual exported as a release folder and submitted onto the base is v1's model
     again; its bare delta file is the same version (its atlas is in the ledger now); a delta file
     routing with an atlas nobody recorded is refused, naming the way that works."""
@@ -348,8 +437,22 @@ def test_an_atlas_residual_joins_from_a_release_folder_or_as_a_delta_file_whose_
 
     assert atlas("export", line["v1"], "--model", MODEL, "--format", "folder", "--out", str(tmp_path / "v1")) == 0
     capsys.readouterr()
-    assert atlas("submit", str(tmp_path / "v1"), "--line", MODEL, "--parent", "base", "--skill", "a",
-                 "--name", "a-again", "--json") == 0
+    assert (
+        atlas(
+            "submit",
+            str(tmp_path / "v1"),
+            "--line",
+            MODEL,
+            "--parent",
+            "base",
+            "--skill",
+            "a",
+            "--name",
+            "a-again",
+            "--json",
+        )
+        == 0
+    )
     made = json.loads(capsys.readouterr().out)
     assert made["kind"] == "adapter" and made["version"] == "a-again" and made["new"]
     ids = _ids()

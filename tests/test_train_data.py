@@ -1,4 +1,5 @@
 """Tokenisation, bad-example handling, batch order and padding."""
+
 import pytest
 import torch
 
@@ -28,14 +29,19 @@ def test_all_positions_for_kl_contexts():
 
 def test_bad_examples_raise_with_ids():
     records = [("p", "ok"), {"prompt": "p", "response": "", "id": "task-7"}, ("p", "x" * 50)]
-    with pytest.raises(ValueError, match=r"2 bad example\(s\): #1 \(task-7\): empty response; #2 \(train\[2\]\): too long"):
+    with pytest.raises(
+        ValueError, match=r"2 bad example\(s\): #1 \(task-7\): empty response; #2 \(train\[2\]\): too long"
+    ):
         tokenize(CharTokenizer(), records, max_length=10, name="train")
 
 
 def test_skip_and_truncate_are_listed():
     records = [("p", "ok"), {"prompt": "p", "response": "", "id": "task-7"}, ("p", "x" * 50)]
     skipped = tokenize(CharTokenizer(), records, max_length=10, on_bad_example="skip")
-    assert len(skipped) == 1 and [(i.id, i.action) for i in skipped.issues] == [("task-7", "skipped"), ("data[2]", "skipped")]
+    assert len(skipped) == 1 and [(i.id, i.action) for i in skipped.issues] == [
+        ("task-7", "skipped"),
+        ("data[2]", "skipped"),
+    ]
     cut = tokenize(CharTokenizer(), records, max_length=10, on_bad_example="truncate")
     assert len(cut) == 2 and len(cut.ids[1]) == 10
     assert [i.action for i in cut.issues] == ["skipped", "truncated"]

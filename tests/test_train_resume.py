@@ -1,5 +1,6 @@
 """Resume: a run killed at any point continues from its last complete checkpoint and ends with
 exactly the weights of an uninterrupted run with the same seed."""
+
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 from atlas_core.residual import ResidualConfig, build_residual
 from atlas_core.train import TrainConfig, latest_checkpoint, prepare_data, read_state, train
 from tests.conftest import tiny_model
-from tests.train_fixtures import CharTokenizer, tiny_atlas, toy_pairs
+from tests.train_fixtures import CharTokenizer, toy_pairs
 
 ROOT = Path(__file__).resolve().parent.parent
 

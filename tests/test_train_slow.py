@@ -1,6 +1,7 @@
 """Training on the real default backbone (SmolLM2-135M): the prefix cache is exact there too, and a
 short ATLAS run at the middle layer checkpoints with validation loss. The full 120-problem run
 is `bench/train_real_run.py` (output recorded in docs/TRAINING.md)."""
+
 import json
 from pathlib import Path
 

@@ -1,12 +1,12 @@
 """The learning-rate sweep picks the rate with the lowest validation loss and shares the prefix cache."""
+
 import json
 
 import pytest
 import torch
 
 from atlas_core.residual import ResidualConfig, build_residual
-from atlas_core.train import TrainConfig, TrainingDiverged, WeightLoRA, prepare_data, sweep_learning_rate
-from atlas_core.train import prefix_cache
+from atlas_core.train import TrainConfig, WeightLoRA, prefix_cache, prepare_data, sweep_learning_rate
 from tests.conftest import tiny_model
 from tests.train_fixtures import CharTokenizer, toy_pairs
 
@@ -18,10 +18,17 @@ def test_sweep_picks_lowest_validation_loss_and_builds_caches_once(tmp_path, mon
     data = prepare_data(CharTokenizer(), pairs[:32], config, val=pairs[32:], chat=False)
     built = []
     original = prefix_cache.PrefixCache.build.__func__
-    monkeypatch.setattr(prefix_cache.PrefixCache, "build",
-                        classmethod(lambda cls, *a, **k: built.append(1) or original(cls, *a, **k)))
-    result = sweep_learning_rate(model, lambda: build_residual(ResidualConfig(variant="plain", layer=2, rank=4), model),
-                                 data, config, [1e-5, 3e-2], tmp_path)
+    monkeypatch.setattr(
+        prefix_cache.PrefixCache, "build", classmethod(lambda cls, *a, **k: built.append(1) or original(cls, *a, **k))
+    )
+    result = sweep_learning_rate(
+        model,
+        lambda: build_residual(ResidualConfig(variant="plain", layer=2, rank=4), model),
+        data,
+        config,
+        [1e-5, 3e-2],
+        tmp_path,
+    )
     assert result.best_lr == 3e-2 and result.val_loss[3e-2] < result.val_loss[1e-5]
     assert len(built) == 2  # train and val sets, once for both rates
     saved = json.loads((tmp_path / "sweep.json").read_text())
@@ -47,4 +54,6 @@ def test_diverging_rate_loses(tmp_path):
     result = sweep_learning_rate(model, fresh, data, config, [1e-2, 3e-2], tmp_path)
     assert result.val_loss[1e-2] == float("inf") and result.best_lr == 3e-2
     with pytest.raises(ValueError, match="needs validation examples"):
-        sweep_learning_rate(model, fresh, prepare_data(CharTokenizer(), pairs, config, chat=False), config, [1e-2], tmp_path)
+        sweep_learning_rate(
+            model, fresh, prepare_data(CharTokenizer(), pairs, config, chat=False), config, [1e-2], tmp_path
+        )

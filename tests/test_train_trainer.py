@@ -1,13 +1,22 @@
 """The trainer on tiny models: learning, frozen backbone, cached == uncached, LoRA, objectives, guards."""
+
 import json
 
 import pytest
 import torch
 
 from atlas_core.io import load_verified
-from atlas_core.residual import ResidualConfig, build_residual, attach
-from atlas_core.train import (ObjectiveConfig, TrainConfig, TrainingDiverged, WeightLoRA, build_caches, latest_checkpoint,
-                              prepare_data, train)
+from atlas_core.residual import ResidualConfig, attach, build_residual
+from atlas_core.train import (
+    ObjectiveConfig,
+    TrainConfig,
+    TrainingDiverged,
+    WeightLoRA,
+    build_caches,
+    latest_checkpoint,
+    prepare_data,
+    train,
+)
 from atlas_core.train.data import collate
 from atlas_core.train.objectives import selected_logits
 from tests.conftest import tiny_model
@@ -71,10 +80,10 @@ def test_cached_and_uncached_training_agree(tmp_path, adapter_kind):
         if adapter_kind == "atlas":
             atlas = tiny_atlas(model, 2, [p + r for p, r in PAIRS])
             adapter = build_residual(ResidualConfig(variant="atlas", layer=2, rank=4, scale="calibrated"), model, atlas)
-            weights = lambda: [adapter.A, adapter.B]  # noqa: E731
+            weights = lambda: [adapter.A, adapter.B]
         else:
             adapter = WeightLoRA(model, layer=2, rank=4)
-            weights = lambda: [adapter.lora_A, adapter.lora_B]  # noqa: E731
+            weights = lambda: [adapter.lora_A, adapter.lora_B]
         config = TrainConfig(lr=3e-2, epochs=2, batch_size=8, prefix_cache=cached, progress=False)
         summary = train(model, adapter, make(config), config, tmp_path / str(cached))
         assert summary.prefix_cache_layer == ((2 if adapter_kind == "atlas" else 1) if cached else None)
@@ -95,7 +104,9 @@ def test_weight_lora_budget_and_removal(tmp_path):
     o_proj = lora.base
     assert lora.num_trainable == 8 * (o_proj.in_features + o_proj.out_features) == 2 * 64 * 8
     assert [n for n, p in model.named_parameters() if p.requires_grad] == [
-        "model.layers.2.self_attn.o_proj.lora_A.default.weight", "model.layers.2.self_attn.o_proj.lora_B.default.weight"]
+        "model.layers.2.self_attn.o_proj.lora_A.default.weight",
+        "model.layers.2.self_attn.o_proj.lora_B.default.weight",
+    ]
     config = TrainConfig(lr=3e-2, epochs=1, batch_size=8, progress=False)
     summary = train(model, lora, make(config), config, tmp_path)
     assert not torch.equal(model(input_ids=ids).logits, base)
@@ -137,8 +148,9 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
         return output * float("nan") if calls["n"] > 5 else output
 
     model.model.norm.register_forward_hook(poison)
-    config = TrainConfig(lr=1e-2, epochs=3, batch_size=8, checkpoint_every_steps=2, validate_every_checkpoint=False,
-                         progress=False)
+    config = TrainConfig(
+        lr=1e-2, epochs=3, batch_size=8, checkpoint_every_steps=2, validate_every_checkpoint=False, progress=False
+    )
     with pytest.raises(TrainingDiverged, match=r"step 6 \(epoch 1\): loss is nan.*Last good checkpoint: .*step-000004"):
         train(model, residual, prepare_data(CharTokenizer(), PAIRS[:32], config, chat=False), config, tmp_path)
     assert latest_checkpoint(tmp_path).name == "step-000004"
@@ -151,8 +163,13 @@ def test_output_kl_and_replay(tmp_path):
     for kind, cache_mib in (("ce", 0), ("output-kl", 512), ("output-kl", 0), ("replay", 0)):
         model = tiny_model("llama")
         residual = build_residual(ResidualConfig(variant="plain", layer=2, rank=4), model)
-        config = TrainConfig(lr=3e-2, epochs=2, batch_size=8, progress=False,
-                             objective=ObjectiveConfig(kind=kind, beta=10.0, ratio=1.0, teacher_cache_mib=cache_mib))
+        config = TrainConfig(
+            lr=3e-2,
+            epochs=2,
+            batch_size=8,
+            progress=False,
+            objective=ObjectiveConfig(kind=kind, beta=10.0, ratio=1.0, teacher_cache_mib=cache_mib),
+        )
         data = make(config, retained=retained)
         summary = train(model, residual, data, config, tmp_path / f"{kind}-{cache_mib}")
         assert summary.teacher_cached == ({512: True, 0: False}[cache_mib] if kind == "output-kl" else None)

@@ -1,4 +1,5 @@
 """Small things the training tests share: a character tokenizer for the tiny models and toy data."""
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,13 @@ def toy_pairs(n: int, seed: int = 0) -> list[tuple[str, str]]:
 def retained_texts(n: int, seed: int = 1) -> list[str]:
     g = torch.Generator().manual_seed(seed)
     words = ["one", "two", "three", "plus", "is", "four", "five", "="]
-    return [" ".join(words[int(j)] for j in torch.randint(0, len(words), (int(torch.randint(3, 8, (1,), generator=g)),),
-                                                            generator=g)) for _ in range(n)]
+    return [
+        " ".join(
+            words[int(j)]
+            for j in torch.randint(0, len(words), (int(torch.randint(3, 8, (1,), generator=g)),), generator=g)
+        )
+        for _ in range(n)
+    ]
 
 
 def tiny_atlas(model, layer: int, texts, variant: str = "local"):

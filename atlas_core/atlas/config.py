@@ -1,4 +1,5 @@
 """Configuration of a retained activation atlas (spec section 1)."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -10,19 +11,37 @@ ATLAS_VARIANTS = ("local", "global", "random-local", "shuffled-patch")
 
 @dataclass
 class AtlasConfig:
-    num_charts: int = field(default=32, metadata={"help": "K: number of k-means charts (forced to 1 by variant 'global')."})
+    num_charts: int = field(
+        default=32, metadata={"help": "K: number of k-means charts (forced to 1 by variant 'global')."}
+    )
     rank: int = field(default=16, metadata={"help": "m: principal directions kept per chart."})
-    variant: str = field(default="local", metadata={"help": f"One of {ATLAS_VARIANTS}: PCA per k-means chart, one global PCA, "
-                                                            "random orthonormal bases, or PCA bases permuted between charts."})
-    equal_support: int | None = field(default=None, metadata={"help": "(choice) If set, each chart's PCA uses its this-many nearest "
-                                                                       "calibration vectors instead of its k-means members (spec: 128)."})
+    variant: str = field(
+        default="local",
+        metadata={
+            "help": f"One of {ATLAS_VARIANTS}: PCA per k-means chart, one global PCA, "
+            "random orthonormal bases, or PCA bases permuted between charts."
+        },
+    )
+    equal_support: int | None = field(
+        default=None,
+        metadata={
+            "help": "(choice) If set, each chart's PCA uses its this-many nearest "
+            "calibration vectors instead of its k-means members (spec: 128)."
+        },
+    )
     num_vectors: int = field(default=4096, metadata={"help": "N: calibration vectors sampled from retained examples."})
     per_example: int = field(default=2, metadata={"help": "Non-padding positions sampled per retained example."})
-    seed: int = field(default=0, metadata={"help": "Seed for position sampling, k-means++ and the random/shuffled variants."})
+    seed: int = field(
+        default=0, metadata={"help": "Seed for position sampling, k-means++ and the random/shuffled variants."}
+    )
     restarts: int = field(default=3, metadata={"help": "k-means++ seedings tried; the lowest inertia wins."})
-    max_iter: int = field(default=100, metadata={"help": "Maximum Lloyd iterations (stops earlier when assignments settle)."})
-    calibration_sample: int = field(default=512, metadata={"help": "Calibration vectors stored with the atlas, used to "
-                                                                    "calibrate the residual's scale s."})
+    max_iter: int = field(
+        default=100, metadata={"help": "Maximum Lloyd iterations (stops earlier when assignments settle)."}
+    )
+    calibration_sample: int = field(
+        default=512,
+        metadata={"help": "Calibration vectors stored with the atlas, used to calibrate the residual's scale s."},
+    )
 
     def __post_init__(self) -> None:
         if self.variant not in ATLAS_VARIANTS:

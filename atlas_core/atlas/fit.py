@@ -4,6 +4,7 @@ Fast on CPU because every heavy step is one GEMM: Lloyd distances as
 ||x||^2 - 2 x.c + ||c||^2, and each chart's PCA from the eigendecomposition of its small
 members x members Gram matrix instead of an SVD of a members x d matrix.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,7 +24,9 @@ def sq_distances(x: torch.Tensor, centers: torch.Tensor, x_sq: torch.Tensor | No
     return (x_sq[:, None] - 2.0 * (x @ centers.T) + (centers * centers).sum(1)[None, :]).clamp_min_(0.0)
 
 
-def kmeans_plus_plus(x: torch.Tensor, k: int, restarts: int, generator: torch.Generator, x_sq: torch.Tensor) -> torch.Tensor:
+def kmeans_plus_plus(
+    x: torch.Tensor, k: int, restarts: int, generator: torch.Generator, x_sq: torch.Tensor
+) -> torch.Tensor:
     """Greedy k-means++ seeding (as scikit-learn: 2 + log k candidates per step, keep the one
     that lowers the potential most), for `restarts` independent seedings at once.
 
@@ -36,8 +39,9 @@ def kmeans_plus_plus(x: torch.Tensor, k: int, restarts: int, generator: torch.Ge
     chosen = torch.randint(n, (restarts, 1), generator=generator).to(x.device)  # (R, 1)
     closest = (x_sq[chosen] - 2.0 * (x[chosen[:, 0]] @ x.T)[:, None] + x_sq).clamp_min_(0.0)[:, 0]  # (R, N)
     for _ in range(1, k):
-        candidates = torch.multinomial(closest.cpu() + 1e-12, trials, replacement=True,
-                                       generator=generator).to(x.device)  # (R, T)
+        candidates = torch.multinomial(closest.cpu() + 1e-12, trials, replacement=True, generator=generator).to(
+            x.device
+        )  # (R, T)
         dots = (x[candidates.flatten()] @ x.T).view(restarts, trials, n)
         d_cand = (x_sq[candidates][:, :, None] - 2.0 * dots + x_sq).clamp_min_(0.0)  # (R, T, N)
         d_cand = torch.minimum(closest[:, None, :], d_cand)
@@ -47,7 +51,9 @@ def kmeans_plus_plus(x: torch.Tensor, k: int, restarts: int, generator: torch.Ge
     return chosen
 
 
-def kmeans(x: torch.Tensor, k: int, seed: int = 0, max_iter: int = 100, restarts: int = 1) -> tuple[torch.Tensor, torch.Tensor, float]:
+def kmeans(
+    x: torch.Tensor, k: int, seed: int = 0, max_iter: int = 100, restarts: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Lloyd's algorithm from k-means++ seeds; the best of `restarts` runs, all run together.
 
     Returns (centers (K, d), labels (N,), inertia). Restarts matter on well-separated data:
@@ -88,7 +94,9 @@ def kmeans(x: torch.Tensor, k: int, seed: int = 0, max_iter: int = 100, restarts
     return centers.view(restarts, k, d)[r], labels[:, r], float(inertia[r])
 
 
-def local_pca(members: torch.Tensor, center: torch.Tensor, m: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def local_pca(
+    members: torch.Tensor, center: torch.Tensor, m: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-m principal directions (d, m) and singular values (m,) of `members` around `center`.
 
     Uses the n x n Gram matrix (n members << d). A chart with fewer than m independent
@@ -115,7 +123,7 @@ def _complete_basis(basis: torch.Tensor, m: int, generator: torch.Generator) -> 
     filler = torch.randn(d, m - basis.shape[1], generator=generator, dtype=basis.dtype).to(basis.device)
     q, _ = torch.linalg.qr(torch.cat([basis, filler], 1))
     # QR keeps span(basis) in the first columns; restore their exact values and signs.
-    return torch.cat([basis, q[:, basis.shape[1]:]], 1)
+    return torch.cat([basis, q[:, basis.shape[1] :]], 1)
 
 
 def random_bases(k: int, d: int, m: int, generator: torch.Generator) -> torch.Tensor:
@@ -135,8 +143,11 @@ def fit_atlas(x: torch.Tensor, config: AtlasConfig, meta: dict | None = None) ->
     if m > x.shape[1]:
         raise InputError(f"rank: expected at most d={x.shape[1]} directions per chart, got {m}")
     generator = torch.Generator().manual_seed(config.seed + 1)
-    centers, labels, inertia = kmeans(x, k, config.seed, config.max_iter, config.restarts) if k > 1 else (
-        x.mean(0, keepdim=True), torch.zeros(len(x), dtype=torch.long, device=x.device), 0.0)
+    centers, labels, inertia = (
+        kmeans(x, k, config.seed, config.max_iter, config.restarts)
+        if k > 1
+        else (x.mean(0, keepdim=True), torch.zeros(len(x), dtype=torch.long, device=x.device), 0.0)
+    )
     dist = sq_distances(x, centers)
     if k == 1:
         inertia = float(dist.sum())
@@ -160,8 +171,13 @@ def fit_atlas(x: torch.Tensor, config: AtlasConfig, meta: dict | None = None) ->
     tau = float(dist.min(1).values.mean())
     sample = torch.randperm(len(x), generator=generator)[: config.calibration_sample]
     counts = torch.bincount(labels, minlength=k)
-    meta = {**(meta or {}), "config": config.to_dict(), "num_vectors": len(x), "inertia": inertia,
-            "chart_sizes": counts.tolist()}
+    meta = {
+        **(meta or {}),
+        "config": config.to_dict(),
+        "num_vectors": len(x),
+        "inertia": inertia,
+        "chart_sizes": counts.tolist(),
+    }
     return Atlas(centers=centers, bases=bases, sigma=sigma, tau=tau, calibration=x[sample].clone(), meta=meta)
 
 

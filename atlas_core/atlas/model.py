@@ -1,4 +1,5 @@
 """The fitted atlas: charts (centers, local bases), routing and the routed filter (spec 1-2)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -54,10 +55,22 @@ class Atlas:
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> dict:
-        tensors = {"centers": self.centers, "bases": self.bases, "sigma": self.sigma,
-                   "tau": torch.tensor([self.tau]), "calibration": self.calibration}
-        manifest = {**self.meta, "kind": "atlas", "format": ATLAS_FORMAT, "K": self.num_charts,
-                    "d": self.dim, "m": self.rank, "tau": self.tau}
+        tensors = {
+            "centers": self.centers,
+            "bases": self.bases,
+            "sigma": self.sigma,
+            "tau": torch.tensor([self.tau]),
+            "calibration": self.calibration,
+        }
+        manifest = {
+            **self.meta,
+            "kind": "atlas",
+            "format": ATLAS_FORMAT,
+            "K": self.num_charts,
+            "d": self.dim,
+            "m": self.rank,
+            "tau": self.tau,
+        }
         manifest = save_verified(path, {k: v.float() for k, v in tensors.items()}, manifest)
         self.sha256 = manifest["sha256"]
         return manifest
@@ -74,10 +87,23 @@ class Atlas:
                 raise IntegrityError(f"{path}: tensor {name!r} missing")
             expect_shape(name, tensors[name], shape, str(path))
         if float(tensors["tau"]) != manifest["tau"]:
-            raise IntegrityError(f"{path}: tau in the file ({float(tensors['tau'])}) differs from the manifest ({manifest['tau']})")
-        meta = {key: v for key, v in manifest.items() if key not in ("kind", "format", "K", "d", "m", "tau", "sha256", "file")}
-        return cls(centers=tensors["centers"], bases=tensors["bases"], sigma=tensors["sigma"], tau=manifest["tau"],
-                   calibration=tensors["calibration"], meta=meta, sha256=manifest["sha256"])
+            raise IntegrityError(
+                f"{path}: tau in the file ({float(tensors['tau'])}) differs from the manifest ({manifest['tau']})"
+            )
+        meta = {
+            key: v
+            for key, v in manifest.items()
+            if key not in ("kind", "format", "K", "d", "m", "tau", "sha256", "file")
+        }
+        return cls(
+            centers=tensors["centers"],
+            bases=tensors["bases"],
+            sigma=tensors["sigma"],
+            tau=manifest["tau"],
+            calibration=tensors["calibration"],
+            meta=meta,
+            sha256=manifest["sha256"],
+        )
 
 
 # ---------------------------------------------------------------------- routing and filter
@@ -86,8 +112,9 @@ def route(h: torch.Tensor, centers: torch.Tensor, tau: float, top_n: int) -> tor
     return route_with_offset(h, centers, tau, top_n)[0]
 
 
-def route_with_offset(h: torch.Tensor, centers: torch.Tensor, tau: float, top_n: int,
-                      center_gram: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route_with_offset(
+    h: torch.Tensor, centers: torch.Tensor, tau: float, top_n: int, center_gram: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Chart weights W (N, K) and ||h - mu(h)||^2 (N,), both fp32.
 
     Distances are computed in fp32 whatever the input dtype: in bf16 the whole top-n set

@@ -1,4 +1,5 @@
 """Configuration of the shared residual (spec section 3) and its structural variants."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -20,12 +21,23 @@ FULL_FORM = ("atlas", "global-pca", "random-local", "shuffled-patch")
 @dataclass
 class ResidualConfig:
     variant: str = field(default="atlas", metadata={"help": f"Structural variant, one of {tuple(RESIDUAL_VARIANTS)}."})
-    layer: int = field(default=-1, metadata={"help": "Decoder layer l whose output the residual modifies "
-                                                     "(-1: the backbone's middle layer, L // 2)."})
+    layer: int = field(
+        default=-1,
+        metadata={
+            "help": "Decoder layer l whose output the residual modifies (-1: the backbone's middle layer, L // 2)."
+        },
+    )
     rank: int = field(default=16, metadata={"help": "r: rank of the shared factors A (r x d) and B (d x r)."})
-    scale: float | str = field(default=64.0, metadata={"help": "s in rho = ||z|| / (||z|| + s): a number, or 'calibrated' "
-                                                                "for the median ||z|| on the atlas's calibration vectors."})
-    alpha: float = field(default=1.0, metadata={"help": "Filter strength in P(h) x = x - alpha sum_c w_c U_c U_c^T x, in [0, 1]."})
+    scale: float | str = field(
+        default=64.0,
+        metadata={
+            "help": "s in rho = ||z|| / (||z|| + s): a number, or 'calibrated' "
+            "for the median ||z|| on the atlas's calibration vectors."
+        },
+    )
+    alpha: float = field(
+        default=1.0, metadata={"help": "Filter strength in P(h) x = x - alpha sum_c w_c U_c U_c^T x, in [0, 1]."}
+    )
     top_n: int = field(default=4, metadata={"help": "n: charts each token is routed to."})
     seed: int = field(default=0, metadata={"help": "Seed of A's initialisation (B starts at zero)."})
 

@@ -16,6 +16,7 @@ U = [U_1..U_K] (d, Km), C the centers (K, d) and Wm the chart weights repeated m
 so a token costs two d x (Km + r) GEMMs plus small ones, whatever K is, and the only
 passes over (N, d) are reading h and writing Delta.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,7 +40,9 @@ class AtlasResidual(nn.Module):
             if atlas is None:
                 raise ValueError(f"variant {config.variant!r} needs an atlas (variant {needed!r}), got none")
             if atlas.variant != needed:
-                raise ValueError(f"variant {config.variant!r} needs an atlas of variant {needed!r}, got {atlas.variant!r}")
+                raise ValueError(
+                    f"variant {config.variant!r} needs an atlas of variant {needed!r}, got {atlas.variant!r}"
+                )
             if atlas.dim != dim:
                 raise ValueError(f"atlas: fitted for hidden size {atlas.dim}, the residual has d={dim}")
         self.atlas_sha256 = atlas.sha256 if (atlas is not None and needed is not None) else None

@@ -1,4 +1,5 @@
 """Attaching a residual to a loaded model, and saving/loading adapter weights."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,7 +22,9 @@ def build_residual(config: ResidualConfig, model: nn.Module, atlas: Atlas | None
         config = ResidualConfig(**{**config.to_dict(), "layer": len(layers) // 2})
     check_layer(layers, config.layer)
     if atlas is not None and config.atlas_variant is not None and atlas.meta.get("layer", config.layer) != config.layer:
-        raise ValueError(f"layer: the atlas was fitted at layer {atlas.meta['layer']}, the residual is for layer {config.layer}")
+        raise ValueError(
+            f"layer: the atlas was fitted at layer {atlas.meta['layer']}, the residual is for layer {config.layer}"
+        )
     return AtlasResidual(config, hidden_size(model), atlas)
 
 
@@ -94,8 +97,14 @@ def attach(model: nn.Module, residual: AtlasResidual) -> Attachment:
 
 def save_adapter(path: str | Path, residual: AtlasResidual, meta: dict | None = None) -> dict:
     """Adapter weights (A, B and calibrated scales) as safetensors + manifest with sha256."""
-    manifest = {**(meta or {}), "kind": "adapter", "format": ADAPTER_FORMAT, "config": residual.config.to_dict(),
-                "d": residual.dim, "atlas_sha256": residual.atlas_sha256}
+    manifest = {
+        **(meta or {}),
+        "kind": "adapter",
+        "format": ADAPTER_FORMAT,
+        "config": residual.config.to_dict(),
+        "d": residual.dim,
+        "atlas_sha256": residual.atlas_sha256,
+    }
     return save_verified(path, residual.state_dict(), manifest)
 
 
@@ -109,8 +118,9 @@ def load_adapter(path: str | Path, atlas: Atlas | None = None) -> AtlasResidual:
         raise IntegrityError(f"{path}: manifest has an invalid 'config' or 'd' ({e})") from e
     expected = manifest.get("atlas_sha256")
     if expected is not None and (atlas is None or atlas.sha256 != expected):
-        raise IntegrityError(f"{path}: adapter was trained with atlas sha256 {expected}, "
-                             f"got {None if atlas is None else atlas.sha256}")
+        raise IntegrityError(
+            f"{path}: adapter was trained with atlas sha256 {expected}, got {None if atlas is None else atlas.sha256}"
+        )
     residual = AtlasResidual(config, dim, atlas if expected is not None else None)
     for name, shape in (("A", (config.rank, dim)), ("B", (dim, config.rank)), ("s", ()), ("s_d", ())):
         if name not in tensors:

@@ -14,6 +14,7 @@ members of the `PeftType` enum, which PEFT fixes when it is imported; the member
 therefore added to that enum first (the one step without a public API), then registered.
 There is no merge: Delta(h) is routed by h itself, so it folds into no weight.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,10 +49,17 @@ def _add_peft_type() -> None:
 class AtlasPeftConfig(PeftConfig):
     """The residuals of a chain, each on the output of one decoder layer (tensors in the adapter file)."""
 
-    target_modules: list[str] = field(default_factory=list, metadata={
-        "help": "Decoder layers whose output the residuals modify, by module name (e.g. 'model.layers.15')."})
-    residuals: list[dict] = field(default_factory=list, metadata={
-        "help": "One entry per residual in chain order: module, config (ResidualConfig), d, K, m, tau, atlas_variant."})
+    target_modules: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Decoder layers whose output the residuals modify, by module name (e.g. 'model.layers.15')."},
+    )
+    residuals: list[dict] = field(
+        default_factory=list,
+        metadata={
+            "help": "One entry per residual in chain order: module, config (ResidualConfig), "
+            "d, K, m, tau, atlas_variant."
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -85,8 +93,14 @@ class StoredResidual(nn.Module):
             spec, config = self.spec, ResidualConfig(**self.spec["config"])
             atlas = None
             if spec["atlas_variant"] is not None:
-                atlas = Atlas(self.centers.float(), self.bases.float(), torch.ones(spec["K"], spec["m"]), spec["tau"],
-                              self.centers.float(), meta={"config": {"variant": spec["atlas_variant"]}})
+                atlas = Atlas(
+                    self.centers.float(),
+                    self.bases.float(),
+                    torch.ones(spec["K"], spec["m"]),
+                    spec["tau"],
+                    self.centers.float(),
+                    meta={"config": {"variant": spec["atlas_variant"]}},
+                )
             r = AtlasResidual(config, spec["d"], atlas, calibrate=False).to(self.centers.device)
             r.A, r.B, r.s, r.s_d = self.A, self.B, self.s, self.s_d  # shared: the loaded values
             self._built = (key, r)
@@ -132,8 +146,15 @@ class AtlasPeftModel(BaseTuner):
     tuner_layer_cls = AtlasPeftLayer
     target_module_mapping: dict = {}
 
-    def _create_and_replace(self, peft_config: AtlasPeftConfig, adapter_name: str, target: nn.Module,
-                            target_name: str, parent: nn.Module, current_key: str) -> None:
+    def _create_and_replace(
+        self,
+        peft_config: AtlasPeftConfig,
+        adapter_name: str,
+        target: nn.Module,
+        target_name: str,
+        parent: nn.Module,
+        current_key: str,
+    ) -> None:
         specs = [r for r in peft_config.residuals if current_key.endswith(r["module"])]
         if isinstance(target, AtlasPeftLayer):
             target.update_layer(adapter_name, specs)
@@ -174,16 +195,27 @@ def save_atlas_adapter(chain, model: nn.Module, base_model: str, out: str | Path
         module = f"{decoder_layers_name(model)}.{delta.config.layer}"
         i = index[module] = index.get(module, -1) + 1  # position among the residuals of this layer
         has_atlas = delta.config.atlas_variant is not None
-        specs.append({"module": module, "config": delta.config.to_dict(), "d": delta.dim,
-                      "K": delta.centers.shape[0] if has_atlas else 0, "m": delta.m if has_atlas else 0,
-                      "tau": float(delta.tau) if has_atlas else 1.0, "atlas_variant": delta.config.atlas_variant})
+        specs.append(
+            {
+                "module": module,
+                "config": delta.config.to_dict(),
+                "d": delta.dim,
+                "K": delta.centers.shape[0] if has_atlas else 0,
+                "m": delta.m if has_atlas else 0,
+                "tau": float(delta.tau) if has_atlas else 1.0,
+                "atlas_variant": delta.config.atlas_variant,
+            }
+        )
         prefix = f"base_model.model.{module}.atlas_residuals.{i}"
         parts = {"A": delta.A, "B": delta.B, "s": delta.s, "s_d": delta.s_d}
         if has_atlas:  # U is (d, Km) = bases permuted; store the (K, d, m) form the Atlas takes
             parts |= {"centers": delta.centers, "bases": delta.U.T.reshape(-1, delta.m, delta.dim).transpose(1, 2)}
         for name, t in parts.items():
-            tensors[f"{prefix}.{name}"] = t.detach().float().cpu().clone(memory_format=torch.contiguous_format)  # may share an atlas
-    config = AtlasPeftConfig(target_modules=sorted(index), residuals=specs, base_model_name_or_path=base_model,
-                             task_type="CAUSAL_LM")
+            tensors[f"{prefix}.{name}"] = (
+                t.detach().float().cpu().clone(memory_format=torch.contiguous_format)
+            )  # may share an atlas
+    config = AtlasPeftConfig(
+        target_modules=sorted(index), residuals=specs, base_model_name_or_path=base_model, task_type="CAUSAL_LM"
+    )
     config.save_pretrained(str(out))
     save_file(tensors, str(Path(out) / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -8,6 +8,7 @@ Both expose the same small interface so one training loop serves every method:
                             enabled=False gives the frozen f0 (the Output-KL teacher)
     save(path, meta) / load_weights(path)
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -49,11 +50,22 @@ class ResidualAdapter:
     def budget(self) -> dict:
         d = self.residual.A.shape[-1]
         r = self.residual.config.rank
-        return {"method": self.residual.config.variant, "rank": r, "budget_rank": r,
-                "trainable": sum(p.numel() for _, p in self.named_trainable()), "budget": 2 * d * r}
+        return {
+            "method": self.residual.config.variant,
+            "rank": r,
+            "budget_rank": r,
+            "trainable": sum(p.numel() for _, p in self.named_trainable()),
+            "budget": 2 * d * r,
+        }
 
-    def hidden(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, cached: torch.Tensor | None = None,
-               enabled: bool = True) -> torch.Tensor:
+    def hidden(
+        self,
+        model: nn.Module,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        cached: torch.Tensor | None = None,
+        enabled: bool = True,
+    ) -> torch.Tensor:
         if cached is not None:
             h = cached + self.residual(cached) if enabled else cached
             return upper_hidden(model, self.layer, h, ids, mask)

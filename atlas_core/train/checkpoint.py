@@ -10,6 +10,7 @@ A checkpoint is written into a hidden temporary folder and renamed into place, s
 killed at any moment leaves either a complete checkpoint or none; `latest_checkpoint`
 returns the newest one whose files verify.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,9 +73,14 @@ def write_checkpoint(run_dir: str | Path, adapter, optimizer: torch.optim.Optimi
         opt = optimizer_tensors(optimizer, names)
         opt["rng.torch"] = torch.get_rng_state()
         opt_manifest = save_verified(tmp / "optimizer.safetensors", opt, {**meta, "kind": "optimizer", "params": names})
-        full_state = {**state, "format": CHECKPOINT_FORMAT,
-                      "files": {"adapter.safetensors": adapter_manifest["sha256"],
-                                "optimizer.safetensors": opt_manifest["sha256"]}}
+        full_state = {
+            **state,
+            "format": CHECKPOINT_FORMAT,
+            "files": {
+                "adapter.safetensors": adapter_manifest["sha256"],
+                "optimizer.safetensors": opt_manifest["sha256"],
+            },
+        }
         atomic_write_json(tmp / STATE_FILE, full_state)
         _fsync_dir(tmp)
         if final.exists():  # only when re-running a finished step; the new one replaces it
@@ -129,7 +135,9 @@ def load_checkpoint(path: str | Path, adapter, optimizer: torch.optim.Optimizer)
     tensors, manifest = load_verified(path / "optimizer.safetensors", kind="optimizer")
     names = [n for n, _ in adapter.named_trainable()]
     if manifest.get("params") != names:
-        raise IntegrityError(f"{path}: optimizer state is for parameters {manifest.get('params')}, the adapter has {names}")
+        raise IntegrityError(
+            f"{path}: optimizer state is for parameters {manifest.get('params')}, the adapter has {names}"
+        )
     torch.set_rng_state(tensors.pop("rng.torch"))
     restore_optimizer(optimizer, names, tensors)
     return state

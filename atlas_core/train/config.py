@@ -11,13 +11,13 @@
 `load_run_config("configs/train/atlas.yaml")` parses and validates a file; a typo or a
 wrong type is an error such as `train.lr: expected a number, got 'fast'`.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
 
 from ..residual import RESIDUAL_VARIANTS, ResidualConfig
 from ..typed_config import ConfigError, build, load_yaml
@@ -40,15 +40,20 @@ def _factory(text: str, factory):
 
 @dataclass
 class ObjectiveConfig:
-    kind: str = _help(f"One of {OBJECTIVES}: target cross-entropy only; + LM loss on retained examples (Replay); "
-                      "+ beta * KL(f0 || f) on retained contexts (Output-KL); CE without the response tokens whose "
-                      "f0 perplexity exceeds stm_tau (STM); CE reweighted token-wise by the current model's NLL (TALR).",
-                      "ce")
+    kind: str = _help(
+        f"One of {OBJECTIVES}: target cross-entropy only; + LM loss on retained examples (Replay); "
+        "+ beta * KL(f0 || f) on retained contexts (Output-KL); CE without the response tokens whose "
+        "f0 perplexity exceeds stm_tau (STM); CE reweighted token-wise by the current model's NLL (TALR).",
+        "ce",
+    )
     ratio: float = _help("Retained examples drawn per target example in each micro-batch (Replay and Output-KL).", 0.5)
     replay_weight: float = _help("Weight of the retained LM loss (Replay).", 1.0)
     beta: float = _help("Weight of KL(f0 || f) on retained contexts (Output-KL; the spec runs 0.3 and 1.0).", 0.3)
-    teacher_cache_mib: float = _help("Cache f0's log-probabilities on the retained set once if they fit in this many MiB; "
-                                     "otherwise recompute them each step without gradients.", 512.0)
+    teacher_cache_mib: float = _help(
+        "Cache f0's log-probabilities on the retained set once if they fit in this many MiB; "
+        "otherwise recompute them each step without gradients.",
+        512.0,
+    )
     stm_tau: float = _help("STM: drop every response token whose f0 perplexity exceeds this (NLL > ln stm_tau).", 2.5)
 
     def __post_init__(self) -> None:
@@ -78,7 +83,9 @@ class TrainConfig:
     epochs: int = _help("Passes over the training set.", 5)
     batch_size: int = _help("Target examples per micro-batch.", 8)
     grad_accum: int = _help("Micro-batches per optimizer step (the loss is averaged over all their tokens).", 1)
-    seed: int = _help("Seed of the adapter initialisation and of the data order (a pure function of seed and epoch).", 0)
+    seed: int = _help(
+        "Seed of the adapter initialisation and of the data order (a pure function of seed and epoch).", 0
+    )
     weight_decay: float = _help("AdamW weight decay.", 0.0)
     betas: tuple[float, float] = _help("AdamW betas.", (0.9, 0.999))
     eps: float = _help("AdamW epsilon.", 1e-8)
@@ -86,16 +93,27 @@ class TrainConfig:
     schedule: str = _help(f"Learning-rate schedule after warmup, one of {SCHEDULES}.", "constant")
     warmup_steps: int = _help("Linear warmup steps from 0 to lr.", 0)
     max_length: int = _help("Longest example (prompt + response tokens) accepted.", 1024)
-    on_bad_example: str = _help(f"One of {BAD_EXAMPLE_POLICIES}: what to do with an example whose response is empty or "
-                                "which is longer than max_length. 'raise' lists them all and stops; 'skip' drops them; "
-                                "'truncate' cuts over-long ones to max_length (empty ones are skipped). "
-                                "Dropped or cut examples are listed in the summary.", "raise")
-    bucket_batches: int = _help("Shuffle, then sort by length within windows of this many batches: less padding, "
-                                "still random. 1: no sorting.", 8)
-    prefix_cache: bool = _help("Cache the frozen lower layers' output once and run only the upper layers each step.", True)
+    on_bad_example: str = _help(
+        f"One of {BAD_EXAMPLE_POLICIES}: what to do with an example whose response is empty or "
+        "which is longer than max_length. 'raise' lists them all and stops; 'skip' drops them; "
+        "'truncate' cuts over-long ones to max_length (empty ones are skipped). "
+        "Dropped or cut examples are listed in the summary.",
+        "raise",
+    )
+    bucket_batches: int = _help(
+        "Shuffle, then sort by length within windows of this many batches: less padding, still random. 1: no sorting.",
+        8,
+    )
+    prefix_cache: bool = _help(
+        "Cache the frozen lower layers' output once and run only the upper layers each step.", True
+    )
     checkpoint_every_steps: int = _help("Also checkpoint every this many optimizer steps (0: only at epoch ends).", 0)
-    validate_every_checkpoint: bool = _help("Compute the validation loss at every checkpoint (else only at epoch ends).", True)
-    cache_batch_size: int = _help("Examples per forward pass when filling the prefix cache and computing validation loss.", 16)
+    validate_every_checkpoint: bool = _help(
+        "Compute the validation loss at every checkpoint (else only at epoch ends).", True
+    )
+    cache_batch_size: int = _help(
+        "Examples per forward pass when filling the prefix cache and computing validation loss.", 16
+    )
     progress: bool = _help("Show a progress bar.", True)
     objective: ObjectiveConfig = _factory("Training objective (target CE, Replay, Output-KL).", ObjectiveConfig)
 
@@ -150,8 +168,9 @@ class ResidualOptions:
 
 @dataclass
 class LoRANullOptions:
-    mode: str = _help("v1: train A and B; v2: freeze A (its null-space init) and train B only, at rank 2r "
-                      "to match the budget.", "v1")
+    mode: str = _help(
+        "v1: train A and B; v2: freeze A (its null-space init) and train B only, at rank 2r to match the budget.", "v1"
+    )
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, ("v1", "v2"))
@@ -169,8 +188,11 @@ class OPLoRAOptions:
 @dataclass
 class OLoRAOptions:
     lambda1: float = _help("Weight of sum |A_past A^T| (the paper: 0.5).", 0.5)
-    past: str = _help("The frozen past subspace: 'pca' = top-r eigenvectors of the retained input covariance "
-                      "(choice, one update); 'files' = the lora_A of earlier adapters (past_files).", "pca")
+    past: str = _help(
+        "The frozen past subspace: 'pca' = top-r eigenvectors of the retained input covariance "
+        "(choice, one update); 'files' = the lora_A of earlier adapters (past_files).",
+        "pca",
+    )
     past_files: list[str] = _factory("Weight-adapter files whose lora_A rows form A_past (past: files).", list)
 
     def __post_init__(self) -> None:
@@ -187,8 +209,9 @@ class OLoRAOptions:
 @dataclass
 class CLoRAOptions:
     lam: float = _help("Weight lambda of R = 1/2 ||A P_A||^2 + 1/2 ||B^T P_B||^2 (the paper: 1).", 1.0)
-    k: int | None = _help("Columns of the random orthonormal P_A, P_B (null: min(512, d // 2), d = min(d_in, d_out)).",
-                          None)
+    k: int | None = _help(
+        "Columns of the random orthonormal P_A, P_B (null: min(512, d // 2), d = min(d_in, d_out)).", None
+    )
 
     def __post_init__(self) -> None:
         if self.lam < 0:
@@ -199,14 +222,22 @@ class CLoRAOptions:
 
 @dataclass
 class LoRAOptions:
-    alpha: float = _help("LoRA scaling numerator: the update is (alpha / rank) * B A x. alpha = rank gives scale 1.", 16.0)
-    target: str = _help("Name of the projection inside decoder layer l to adapt (the attention output projection).",
-                        "self_attn.o_proj")
-    method: str = _help(f"One of {WEIGHT_METHODS}: plain LoRA, or a published weight-adapter baseline "
-                        "(docs/BASELINES.md). rank is the budget rank r; lora-null v2 runs at 2r, toplora at round(2r/3).",
-                        "weight-lora")
-    stats: str | None = _help("Retained statistics file (atlas_core.train.retained_stats) for lora-null, corda-kpm and "
-                              "o-lora with past 'pca'; null: the caller passes them to build_adapter.", None)
+    alpha: float = _help(
+        "LoRA scaling numerator: the update is (alpha / rank) * B A x. alpha = rank gives scale 1.", 16.0
+    )
+    target: str = _help(
+        "Name of the projection inside decoder layer l to adapt (the attention output projection).", "self_attn.o_proj"
+    )
+    method: str = _help(
+        f"One of {WEIGHT_METHODS}: plain LoRA, or a published weight-adapter baseline "
+        "(docs/BASELINES.md). rank is the budget rank r; lora-null v2 runs at 2r, toplora at round(2r/3).",
+        "weight-lora",
+    )
+    stats: str | None = _help(
+        "Retained statistics file (atlas_core.train.retained_stats) for lora-null, corda-kpm and "
+        "o-lora with past 'pca'; null: the caller passes them to build_adapter.",
+        None,
+    )
     lora_null: LoRANullOptions = _factory("LoRA-Null options.", LoRANullOptions)
     oplora: OPLoRAOptions = _factory("OPLoRA options.", OPLoRAOptions)
     o_lora: OLoRAOptions = _factory("O-LoRA options.", OLoRAOptions)
@@ -229,14 +260,19 @@ class LoRAOptions:
         if self.method == "weight-lora":
             return d
         block = {"lora-null": "lora_null", "oplora": "oplora", "o-lora": "o_lora", "clora": "clora"}.get(self.method)
-        return d | {"method": self.method, "stats": self.stats} | ({block: asdict(getattr(self, block))} if block else {})
+        return (
+            d | {"method": self.method, "stats": self.stats} | ({block: asdict(getattr(self, block))} if block else {})
+        )
 
 
 @dataclass
 class RunConfig:
     backbone: str = _help("Backbone alias, hub id or folder (see atlas_core.backbone.load_backbone).", "smollm2-135m")
-    adapter: str = _help(f"What trains, one of {ADAPTERS}: a residual variant, or a weight adapter on layer l's o_proj "
-                         "(lora.method: Weight-LoRA or a published baseline).", "atlas")
+    adapter: str = _help(
+        f"What trains, one of {ADAPTERS}: a residual variant, or a weight adapter on layer l's o_proj "
+        "(lora.method: Weight-LoRA or a published baseline).",
+        "atlas",
+    )
     layer: int = _help("Decoder layer l (-1: the middle layer L // 2).", -1)
     rank: int = _help("r: rank of the residual factors or of the LoRA factors (same parameter budget 2*d*r).", 16)
     atlas: str | None = _help("Path of the atlas (.safetensors) for variants that need one.", None)
@@ -262,8 +298,9 @@ class RunConfig:
         if self.adapter == "weight-lora":
             raise ConfigError("adapter: 'weight-lora' has no residual config")
         try:
-            return ResidualConfig(variant=self.adapter, layer=self.layer, rank=self.rank, seed=self.train.seed,
-                                  **asdict(self.residual))
+            return ResidualConfig(
+                variant=self.adapter, layer=self.layer, rank=self.rank, seed=self.train.seed, **asdict(self.residual)
+            )
         except ValueError as e:
             raise ConfigError(f"residual.{e}") from e
 

@@ -8,6 +8,7 @@ response are tokenised separately, so the boundary is exact.
 Data order is a pure function of (seed, epoch): a resumed run replays exactly the
 batches the interrupted one would have seen.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -79,7 +80,9 @@ def as_examples(records: Sequence, name: str = "data") -> list[Example]:
         elif isinstance(r, (tuple, list)) and len(r) == 2 and all(isinstance(x, str) for x in r):
             out.append(Example(r[0], r[1], f"{name}[{i}]"))
         else:
-            raise ValueError(f"{name}[{i}]: expected a (prompt, response) pair of strings, a dict or a string, got {r!r:.80}")
+            raise ValueError(
+                f"{name}[{i}]: expected a (prompt, response) pair of strings, a dict or a string, got {r!r:.80}"
+            )
     return out
 
 
@@ -93,13 +96,19 @@ def render_chat(tokenizer, prompt: str, response: str) -> tuple[str, str]:
     head = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
     full = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": response}], tokenize=False)
     if full.startswith(head):
-        return head, full[len(head):].rstrip("\n")
+        return head, full[len(head) :].rstrip("\n")
     # templates that rewrite the assistant turn (e.g. thinking blocks): keep the generation header
     return head, response + (tokenizer.eos_token or "")
 
 
-def tokenize(tokenizer, records: Sequence, max_length: int, on_bad_example: str = "raise", name: str = "data",
-             add_special_tokens: bool | None = None) -> TokenizedSet:
+def tokenize(
+    tokenizer,
+    records: Sequence,
+    max_length: int,
+    on_bad_example: str = "raise",
+    name: str = "data",
+    add_special_tokens: bool | None = None,
+) -> TokenizedSet:
     """Token ids of `records`. Empty responses and examples longer than `max_length` are handled by
     `on_bad_example`: 'raise' (all of them listed in one error), 'skip', or 'truncate' (cut the
     response; empty ones skipped). `add_special_tokens` (BOS...) defaults to: only without a
@@ -130,8 +139,10 @@ def tokenize(tokenizer, records: Sequence, max_length: int, on_bad_example: str 
     if issues and on_bad_example == "raise":
         listed = "; ".join(f"#{x.index} ({x.id}): {x.reason}" for x in issues[:20])
         more = f" and {len(issues) - 20} more" if len(issues) > 20 else ""
-        raise ValueError(f"{name}: {len(issues)} bad example(s): {listed}{more}. Fix the data, raise max_length, "
-                         f"or set on_bad_example to 'skip' or 'truncate'")
+        raise ValueError(
+            f"{name}: {len(issues)} bad example(s): {listed}{more}. Fix the data, raise max_length, "
+            f"or set on_bad_example to 'skip' or 'truncate'"
+        )
     if not ids:
         raise ValueError(f"{name}: no usable examples ({len(examples)} given)")
     return TokenizedSet(name, ids, torch.tensor(prompt_len, dtype=torch.long), kept, issues)
@@ -142,7 +153,9 @@ def generator_for(seed: int, epoch: int, stream: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed((seed * _GOLDEN + epoch * 1_000_003 + stream * 7_919) % (2**63))
 
 
-def epoch_batches(lengths: torch.Tensor, batch_size: int, seed: int, epoch: int, bucket_batches: int = 8) -> list[list[int]]:
+def epoch_batches(
+    lengths: torch.Tensor, batch_size: int, seed: int, epoch: int, bucket_batches: int = 8
+) -> list[list[int]]:
     """Batches of example indices for one epoch, a pure function of its arguments.
 
     Shuffle; sort by length inside windows of `bucket_batches` batches so each batch holds

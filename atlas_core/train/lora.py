@@ -13,6 +13,7 @@ initialisation, freeze a factor, add a regulariser (`penalty`) or change the LoR
 hooks on PEFT's lora_A / lora_B (`_hook`). Each saves the update it makes to the ORIGINAL
 weight as LoRA factors (`delta_factors`), so atlas_core.chain.FrozenLoRA applies any of them.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,15 @@ class WeightLoRA:
     kind = "weight-lora"
     method = "weight-lora"  # the baselines override it; recorded in every file
 
-    def __init__(self, model: nn.Module, layer: int, rank: int = 16, alpha: float = 16.0,
-                 target: str = "self_attn.o_proj", seed: int = 0):
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: int,
+        rank: int = 16,
+        alpha: float = 16.0,
+        target: str = "self_attn.o_proj",
+        seed: int = 0,
+    ):
         from peft import LoraConfig, inject_adapter_in_model
 
         layers = decoder_layers(model)
@@ -53,8 +61,14 @@ class WeightLoRA:
         self.model, self.base = model, base
         self.budget_rank = rank  # the rank r of the budget r (d_in + d_out); a method may run at another rank
         self._hooks: list = []
-        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=[self.module_name], lora_dropout=0.0, bias="none",
-                            **self._peft_options())
+        config = LoraConfig(
+            r=rank,
+            lora_alpha=alpha,
+            target_modules=[self.module_name],
+            lora_dropout=0.0,
+            bias="none",
+            **self._peft_options(),
+        )
         self._before_inject(model, config)
         inject_adapter_in_model(config, model, adapter_name=_ADAPTER_NAME)
         self.lora = model.get_submodule(self.module_name)
@@ -113,8 +127,13 @@ class WeightLoRA:
     def budget(self) -> dict:
         """Rank and trainable count, and the spec's budget r (d_in + d_out) at the configured rank."""
         d_out, d_in = self.base.weight.shape
-        return {"method": self.method, "rank": self.rank, "budget_rank": self.budget_rank,
-                "trainable": self.num_trainable, "budget": self.budget_rank * (d_in + d_out)}
+        return {
+            "method": self.method,
+            "rank": self.rank,
+            "budget_rank": self.budget_rank,
+            "trainable": self.num_trainable,
+            "budget": self.budget_rank * (d_in + d_out),
+        }
 
     def penalty(self) -> torch.Tensor | None:
         """A regulariser added once per optimizer step (O-LoRA, CLoRA); None: none."""
@@ -134,8 +153,14 @@ class WeightLoRA:
         return [("lora_A", self.lora_A), ("lora_B", self.lora_B)]
 
     def describe(self) -> dict:
-        d = {"kind": self.kind, "layer": self.layer, "rank": self.rank, "alpha": self.alpha, "target": self.target,
-             "seed": self.seed}
+        d = {
+            "kind": self.kind,
+            "layer": self.layer,
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "target": self.target,
+            "seed": self.seed,
+        }
         if self.method != "weight-lora":  # plain Weight-LoRA keeps the description (and run hashes) it always had
             d |= {"method": self.method, "budget_rank": self.budget_rank}
         return d
@@ -148,8 +173,14 @@ class WeightLoRA:
         finally:
             self.lora.enable_adapters(True)
 
-    def hidden(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, cached: torch.Tensor | None = None,
-               enabled: bool = True) -> torch.Tensor:
+    def hidden(
+        self,
+        model: nn.Module,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        cached: torch.Tensor | None = None,
+        enabled: bool = True,
+    ) -> torch.Tensor:
         if not enabled:
             with self.disabled():
                 return self.hidden(model, ids, mask, cached)
@@ -188,9 +219,17 @@ class WeightLoRA:
         for name, p in self.named_trainable():
             if not (name in tensors and tensors[name] is p):
                 tensors[f"param.{name}"] = p
-        manifest = {**meta, "kind": self.kind, "format": LORA_FORMAT, **self.describe(), "method": self.method,
-                    "adapter_rank": self.rank,
-                    "rank": A.shape[0], "module": self.module_name, "scaling": self.scaling}
+        manifest = {
+            **meta,
+            "kind": self.kind,
+            "format": LORA_FORMAT,
+            **self.describe(),
+            "method": self.method,
+            "adapter_rank": self.rank,
+            "rank": A.shape[0],
+            "module": self.module_name,
+            "scaling": self.scaling,
+        }
         return save_verified(path, tensors, manifest)
 
     @torch.no_grad()
@@ -213,7 +252,9 @@ class WeightLoRA:
         if manifest.get("method", "weight-lora") != "weight-lora":
             raise IntegrityError(f"{path}: a {manifest['method']!r} adapter; rebuild it and call load_weights")
         try:
-            lora = cls(model, manifest["layer"], manifest["rank"], manifest["alpha"], manifest["target"], manifest["seed"])
+            lora = cls(
+                model, manifest["layer"], manifest["rank"], manifest["alpha"], manifest["target"], manifest["seed"]
+            )
         except KeyError as e:
             raise IntegrityError(f"{path}: manifest lacks field {e}") from e
         lora.load_weights(path)

@@ -10,6 +10,7 @@ optimizer step (all its micro-batches), so gradient accumulation equals one larg
 f0 is frozen, so its log-probabilities on the retained contexts are cached once when they
 fit in `teacher_cache_mib`; otherwise they are recomputed each step without gradients.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,8 +42,9 @@ def ce_sum(model: nn.Module, adapter, batch: Batch, cache: PrefixCache | None) -
 
 
 @torch.no_grad()
-def mean_loss(model: nn.Module, adapter, data: TokenizedSet, cache: PrefixCache | None, pad_id: int,
-              batch_size: int = 16) -> float:
+def mean_loss(
+    model: nn.Module, adapter, data: TokenizedSet, cache: PrefixCache | None, pad_id: int, batch_size: int = 16
+) -> float:
     """Mean token cross-entropy over a whole set (validation loss), longest examples first."""
     order = torch.sort(data.lengths, descending=True, stable=True).indices.tolist()
     total, count = 0.0, 0
@@ -56,8 +58,15 @@ def mean_loss(model: nn.Module, adapter, data: TokenizedSet, cache: PrefixCache 
 class RetainedTerm:
     """The retained-data term of Replay or Output-KL for one run."""
 
-    def __init__(self, config: ObjectiveConfig, data: TokenizedSet, cache: PrefixCache | None, batch_size: int,
-                 seed: int, pad_id: int):
+    def __init__(
+        self,
+        config: ObjectiveConfig,
+        data: TokenizedSet,
+        cache: PrefixCache | None,
+        batch_size: int,
+        seed: int,
+        pad_id: int,
+    ):
         self.config, self.data, self.cache, self.seed, self.pad_id = config, data, cache, seed, pad_id
         self.per_batch = max(1, round(config.ratio * batch_size))
         self.weight = config.replay_weight if config.kind == "replay" else config.beta

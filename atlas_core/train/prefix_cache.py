@@ -7,6 +7,7 @@ return the final-norm hidden states, so the loss computes logits only at the sup
 positions (`head_logits`): on a 49k-token vocabulary the head over prompt tokens would
 otherwise cost as much as several decoder layers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,7 +30,9 @@ class PrefixCache:
 
     @classmethod
     @torch.no_grad()
-    def build(cls, model: nn.Module, data: TokenizedSet, layer: int, pad_id: int, batch_size: int = 16) -> "PrefixCache":
+    def build(
+        cls, model: nn.Module, data: TokenizedSet, layer: int, pad_id: int, batch_size: int = 16
+    ) -> "PrefixCache":
         """Run layers 0..layer once over `data`, longest examples first (batches of similar
         length pad little), and keep each example's real positions."""
         device = next(model.parameters()).device

@@ -16,6 +16,7 @@ layer and module, the retained token ids, and a probe (sha256 of the o_proj inpu
 first context, so another backbone, dtype or parent chain never reuses a file). Computed
 once per (backbone, layer, retained data); `retained_stats` loads it when it exists.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -53,17 +54,28 @@ class RetainedStats:
         if kind not in KINDS:
             raise ValueError(f"stats: kind must be one of {KINDS}, got {kind!r}")
         if (self.layer, self.target) != (layer, target):
-            raise ValueError(f"stats: collected at layer {self.layer} {self.target}, the adapter is at layer {layer} {target}")
+            raise ValueError(
+                f"stats: collected at layer {self.layer} {self.target}, the adapter is at layer {layer} {target}"
+            )
         m = getattr(self, kind)
         if tuple(m.shape) != (d_in, d_in):
             raise ValueError(f"stats: {kind} is {tuple(m.shape)}, the adapted projection has d_in = {d_in}")
         return m
 
     def save(self, path: str | Path) -> dict:
-        manifest = save_verified(path, {k: getattr(self, k) for k in KINDS},
-                                 {"kind": "retained-stats", "format": STATS_FORMAT, "layer": self.layer,
-                                  "target": self.target, "tokens": self.tokens, "sequences": self.sequences,
-                                  "key": self.key})
+        manifest = save_verified(
+            path,
+            {k: getattr(self, k) for k in KINDS},
+            {
+                "kind": "retained-stats",
+                "format": STATS_FORMAT,
+                "layer": self.layer,
+                "target": self.target,
+                "tokens": self.tokens,
+                "sequences": self.sequences,
+                "key": self.key,
+            },
+        )
         self.sha256 = manifest["sha256"]
         return manifest
 
@@ -74,8 +86,15 @@ class RetainedStats:
             d = tensors["cov"].shape[0]
             for k in KINDS:
                 expect_shape(k, tensors[k], (d, d), str(path))
-            return cls(m["layer"], m["target"], *(tensors[k] for k in KINDS), m["tokens"], m["sequences"], m["key"],
-                       m["sha256"])
+            return cls(
+                m["layer"],
+                m["target"],
+                *(tensors[k] for k in KINDS),
+                m["tokens"],
+                m["sequences"],
+                m["key"],
+                m["sha256"],
+            )
         except KeyError as e:
             raise IntegrityError(f"{path}: retained statistics lack {e}") from e
 
@@ -116,8 +135,9 @@ def _inputs(model: nn.Module, module: nn.Module, ids: torch.Tensor, mask: torch.
 
 
 @torch.no_grad()
-def collect_stats(model: nn.Module, layer: int, data, target: str = "self_attn.o_proj",
-                  batch_size: int = 8) -> RetainedStats:
+def collect_stats(
+    model: nn.Module, layer: int, data, target: str = "self_attn.o_proj", batch_size: int = 8
+) -> RetainedStats:
     """One pass over the retained contexts `data` (token id sequences or a TokenizedSet)."""
     seqs = _sequences(data)
     module = _module(model, layer, target)
@@ -156,8 +176,15 @@ def stats_key(model: nn.Module, layer: int, data, target: str = "self_attn.o_pro
     return config_hash("retained-stats", STATS_FORMAT, backbone, layer, target, tokens.hexdigest(), probe_sha)
 
 
-def retained_stats(model: nn.Module, layer: int, data, target: str = "self_attn.o_proj", backbone: str = "",
-                   cache_dir: str | Path | None = None, batch_size: int = 8) -> RetainedStats:
+def retained_stats(
+    model: nn.Module,
+    layer: int,
+    data,
+    target: str = "self_attn.o_proj",
+    backbone: str = "",
+    cache_dir: str | Path | None = None,
+    batch_size: int = 8,
+) -> RetainedStats:
     """The statistics for (model, layer, retained data): loaded from `cache_dir` (default
     <state>/retained-stats) if stored under their content key, else computed and stored."""
     layers = decoder_layers(model)

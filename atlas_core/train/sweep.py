@@ -4,6 +4,7 @@ validation loss (spec section 4: "chosen by validation loss").
 The prefix caches are built once and shared by every rate (same model, same layer), so a
 sweep costs the upper-layer training passes only.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -25,13 +26,21 @@ class SweepResult:
     summaries: dict[float, TrainSummary]
 
     def to_dict(self) -> dict:
-        return {"best_lr": self.best_lr, "val_loss": {repr(k): (v if v != float("inf") else "diverged")
-                                                      for k, v in self.val_loss.items()},
-                "best_checkpoints": {repr(k): s.best_checkpoint for k, s in self.summaries.items()}}
+        return {
+            "best_lr": self.best_lr,
+            "val_loss": {repr(k): (v if v != float("inf") else "diverged") for k, v in self.val_loss.items()},
+            "best_checkpoints": {repr(k): s.best_checkpoint for k, s in self.summaries.items()},
+        }
 
 
-def sweep_learning_rate(model: nn.Module, make_adapter: Callable[[], object], data: TrainData, config: TrainConfig,
-                        rates: Sequence[float], run_dir: str | Path) -> SweepResult:
+def sweep_learning_rate(
+    model: nn.Module,
+    make_adapter: Callable[[], object],
+    data: TrainData,
+    config: TrainConfig,
+    rates: Sequence[float],
+    run_dir: str | Path,
+) -> SweepResult:
     """Train `make_adapter()` (a fresh adapter each call, same seed) at each rate in `rates` under
     `run_dir/lr-<rate>/`; pick the rate whose best validation loss is lowest. Resumable: a rate
     whose run already finished is read back from its checkpoints.
@@ -51,8 +60,14 @@ def sweep_learning_rate(model: nn.Module, make_adapter: Callable[[], object], da
         if caches is None and config.prefix_cache:
             caches = build_caches(model, data, adapter.cache_layer, config.cache_batch_size)
         try:
-            summary = train(model, adapter, data, replace(config, lr=float(lr)), run_dir / f"lr-{lr:g}",
-                            caches=caches if config.prefix_cache else None)
+            summary = train(
+                model,
+                adapter,
+                data,
+                replace(config, lr=float(lr)),
+                run_dir / f"lr-{lr:g}",
+                caches=caches if config.prefix_cache else None,
+            )
         except TrainingDiverged:  # a rate too high for this run: it loses, the sweep goes on
             val_loss[float(lr)] = float("inf")
             continue

@@ -16,6 +16,7 @@ optimizer step. STM drops its f0-masked tokens from the target batches; TALR rew
 target tokens every step (atlas_core.train.baselines). The summary prints every method's
 rank and trainable count next to the spec's budget.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,16 @@ from tqdm.auto import tqdm
 
 from ..io import atomic_write_json
 from .adapters import as_adapter
-from .checkpoint import checkpoint_dir, clean_temporary, latest_checkpoint, load_checkpoint, read_state, write_checkpoint
+from .checkpoint import (
+    checkpoint_dir,
+    clean_temporary,
+    latest_checkpoint,
+    load_checkpoint,
+    read_state,
+    write_checkpoint,
+)
 from .config import TrainConfig, config_hash
-from .data import TokenizedSet, collate, epoch_batches, render_chat, tokenize, as_examples
+from .data import TokenizedSet, as_examples, collate, epoch_batches, render_chat, tokenize
 from .objectives import RetainedTerm, ce_sum, mean_loss
 from .prefix_cache import PrefixCache
 
@@ -49,23 +57,37 @@ class TrainData:
     retained: TokenizedSet | None = None
 
     def sets(self) -> dict[str, TokenizedSet]:
-        return {k: v for k, v in (("train", self.train), ("val", self.val), ("retained", self.retained)) if v is not None}
+        return {
+            k: v for k, v in (("train", self.train), ("val", self.val), ("retained", self.retained)) if v is not None
+        }
 
 
-def prepare_data(tokenizer, train: Sequence, config: TrainConfig, val: Sequence | None = None,
-                 retained: Sequence | None = None, chat: bool = True) -> TrainData:
+def prepare_data(
+    tokenizer,
+    train: Sequence,
+    config: TrainConfig,
+    val: Sequence | None = None,
+    retained: Sequence | None = None,
+    chat: bool = True,
+) -> TrainData:
     """Tokenise (prompt, response) records; with `chat`, pairs are rendered with the tokenizer's
     chat template first (`render_chat`). Retained records may be bare strings (all supervised)."""
 
     def prep(records, name):
         examples = as_examples(records, name)
         if chat:
-            examples = [e if not e.prompt else type(e)(*render_chat(tokenizer, e.prompt, e.response), e.id) for e in examples]
+            examples = [
+                e if not e.prompt else type(e)(*render_chat(tokenizer, e.prompt, e.response), e.id) for e in examples
+            ]
         return tokenize(tokenizer, examples, config.max_length, config.on_bad_example, name)
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return TrainData(prep(train, "train"), int(pad_id), prep(val, "val") if val else None,
-                     prep(retained, "retained") if retained else None)
+    return TrainData(
+        prep(train, "train"),
+        int(pad_id),
+        prep(val, "val") if val else None,
+        prep(retained, "retained") if retained else None,
+    )
 
 
 def build_caches(model: nn.Module, data: TrainData, layer: int | None, batch_size: int = 16) -> dict[str, PrefixCache]:
@@ -100,23 +122,30 @@ class TrainSummary:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def format(self) -> str:
-        val = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
-        lines = [f"training summary ({self.run_dir})",
-                 f"  steps {self.steps}, epochs {self.epochs}, tokens {self.tokens:,}, time {self.seconds:.1f} s "
-                 f"({self.tokens_per_s:,.0f} tokens/s)",
-                 f"  final train loss {val(self.final_train_loss)}, final val loss {val(self.final_val_loss)}, "
-                 f"best val loss {val(self.best_val_loss)}",
-                 f"  prefix cache: {'layer ' + str(self.prefix_cache_layer) if self.prefix_cache_layer is not None else 'off'}"
-                 + (f", resumed from {self.resumed_from}" if self.resumed_from else ""),
-                 f"  best checkpoint: {self.best_checkpoint}",
-                 f"  checkpoints ({len(self.checkpoints)}): " + ", ".join(Path(c).name for c in self.checkpoints)]
+        val = lambda v: "n/a" if v is None else f"{v:.4f}"
+        lines = [
+            f"training summary ({self.run_dir})",
+            f"  steps {self.steps}, epochs {self.epochs}, tokens {self.tokens:,}, time {self.seconds:.1f} s "
+            f"({self.tokens_per_s:,.0f} tokens/s)",
+            f"  final train loss {val(self.final_train_loss)}, final val loss {val(self.final_val_loss)}, "
+            f"best val loss {val(self.best_val_loss)}",
+            "  prefix cache: "
+            + (f"layer {self.prefix_cache_layer}" if self.prefix_cache_layer is not None else "off")
+            + (f", resumed from {self.resumed_from}" if self.resumed_from else ""),
+            f"  best checkpoint: {self.best_checkpoint}",
+            f"  checkpoints ({len(self.checkpoints)}): " + ", ".join(Path(c).name for c in self.checkpoints),
+        ]
         if self.budget:
             b = self.budget
-            lines.append(f"  adapter {b['method']}: rank {b['rank']} (budget rank {b['budget_rank']}), "
-                         f"trainable {b['trainable']:,} (budget r (d_in + d_out) = {b['budget']:,})")
+            lines.append(
+                f"  adapter {b['method']}: rank {b['rank']} (budget rank {b['budget_rank']}), "
+                f"trainable {b['trainable']:,} (budget r (d_in + d_out) = {b['budget']:,})"
+            )
         if self.stm:
-            lines.append(f"  STM: {self.stm['dropped']:,} of {self.stm['tokens']:,} response tokens dropped "
-                         f"(f0 perplexity > {self.stm['tau']:g})")
+            lines.append(
+                f"  STM: {self.stm['dropped']:,} of {self.stm['tokens']:,} response tokens dropped "
+                f"(f0 perplexity > {self.stm['tau']:g})"
+            )
         lines += [f"  {x['action']}: #{x['index']} ({x['id']}): {x['reason']}" for x in self.issues]
         return "\n".join(lines)
 
@@ -145,9 +174,17 @@ def _freeze_backbone(model: nn.Module, trainable: list[nn.Parameter]) -> None:
     model.eval()
 
 
-def train(model: nn.Module, adapter, data: TrainData, config: TrainConfig, run_dir: str | Path, *,
-          caches: dict[str, PrefixCache] | None = None, resume: bool = True,
-          on_checkpoint: Callable[[Path, dict], None] | None = None) -> TrainSummary:
+def train(
+    model: nn.Module,
+    adapter,
+    data: TrainData,
+    config: TrainConfig,
+    run_dir: str | Path,
+    *,
+    caches: dict[str, PrefixCache] | None = None,
+    resume: bool = True,
+    on_checkpoint: Callable[[Path, dict], None] | None = None,
+) -> TrainSummary:
     """Train `adapter` (an AtlasResidual, a WeightLoRA) on `data`; checkpoints under `run_dir`.
 
     The backbone is frozen (requires_grad off, eval mode) and never changes.
@@ -165,20 +202,25 @@ def train(model: nn.Module, adapter, data: TrainData, config: TrainConfig, run_d
     objective = config.objective
     if objective.uses_retained and data.retained is None:
         raise ValueError(f"objective.kind: {objective.kind!r} needs retained data, got none")
-    run_hash = config_hash(config.fingerprint(), adapter.describe(), {k: s.fingerprint() for k, s in data.sets().items()})
+    run_hash = config_hash(
+        config.fingerprint(), adapter.describe(), {k: s.fingerprint() for k, s in data.sets().items()}
+    )
 
     layer = adapter.cache_layer if config.prefix_cache else None
     if caches is None:
         caches = build_caches(model, data, layer, config.cache_batch_size)
     elif layer is not None and any(c.layer != layer for c in caches.values()):
-        raise ValueError(f"caches: built at layer {[c.layer for c in caches.values()]}, the adapter needs layer {layer}")
+        raise ValueError(
+            f"caches: built at layer {[c.layer for c in caches.values()]}, the adapter needs layer {layer}"
+        )
     train_cache, val_cache = caches.get("train"), caches.get("val")
     stm = drop = None
     if objective.kind == "stm":  # f0's mask, once per training set (cached by its hash)
         from .baselines.stm import apply_drop, stm_mask
 
-        drop, stm = stm_mask(model, adapter, data.train, train_cache, data.pad_id, objective.stm_tau,
-                             config.cache_batch_size)
+        drop, stm = stm_mask(
+            model, adapter, data.train, train_cache, data.pad_id, objective.stm_tau, config.cache_batch_size
+        )
     target_sum = ce_sum
     if objective.kind == "talr":
         from .baselines.talr import talr_sum as target_sum
@@ -186,25 +228,41 @@ def train(model: nn.Module, adapter, data: TrainData, config: TrainConfig, run_d
     retained = None
     teacher_cached = None
     if objective.uses_retained:
-        retained = RetainedTerm(objective, data.retained, caches.get("retained"), config.batch_size, config.seed, data.pad_id)
+        retained = RetainedTerm(
+            objective, data.retained, caches.get("retained"), config.batch_size, config.seed, data.pad_id
+        )
         if objective.kind == "output-kl":
             teacher_cached = retained.cache_teacher(model, adapter, model.get_output_embeddings().weight.shape[0])
 
-    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
-                                  weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+    )
     n_batches = len(epoch_batches(data.train.lengths, config.batch_size, config.seed, 0, config.bucket_batches))
     steps_per_epoch = math.ceil(n_batches / config.grad_accum)
     total_steps = config.epochs * steps_per_epoch
 
-    state = {"step": 0, "epoch": 0, "step_in_epoch": 0, "seed": config.seed, "config_hash": run_hash, "tokens": 0,
-             "seconds": 0.0, "train_losses": [], "val_losses": {}, "checkpoints": [], "finished": False}
+    state = {
+        "step": 0,
+        "epoch": 0,
+        "step_in_epoch": 0,
+        "seed": config.seed,
+        "config_hash": run_hash,
+        "tokens": 0,
+        "seconds": 0.0,
+        "train_losses": [],
+        "val_losses": {},
+        "checkpoints": [],
+        "finished": False,
+    }
     resumed_from = None
     clean_temporary(run_dir)
     last = latest_checkpoint(run_dir) if resume else None
     if last is not None:
         if read_state(last)["config_hash"] != run_hash:
-            raise ValueError(f"run_dir: {run_dir} holds a run with another config or data (config hash differs); "
-                             "use a new run_dir or resume=False")
+            raise ValueError(
+                f"run_dir: {run_dir} holds a run with another config or data (config hash differs); "
+                "use a new run_dir or resume=False"
+            )
         state = load_checkpoint(last, adapter, optimizer)
         resumed_from = str(last)
     elif resume is False and latest_checkpoint(run_dir) is not None:
@@ -214,8 +272,9 @@ def train(model: nn.Module, adapter, data: TrainData, config: TrainConfig, run_d
         nonlocal started
         paused = time.perf_counter()
         if data.val is not None and (epoch_end or config.validate_every_checkpoint):
-            state["val_losses"][str(state["step"])] = mean_loss(model, adapter, data.val, val_cache, data.pad_id,
-                                                                config.cache_batch_size)
+            state["val_losses"][str(state["step"])] = mean_loss(
+                model, adapter, data.val, val_cache, data.pad_id, config.cache_batch_size
+            )
         state["finished"] = state["step"] == total_steps
         name = str(checkpoint_dir(run_dir) / f"step-{state['step']:06d}")
         if name not in state["checkpoints"]:  # listed in its own state.json too
@@ -231,8 +290,10 @@ def train(model: nn.Module, adapter, data: TrainData, config: TrainConfig, run_d
         batches = epoch_batches(data.train.lengths, config.batch_size, config.seed, epoch, config.bucket_batches)
         for s in range(state["step_in_epoch"], steps_per_epoch):
             first = s * config.grad_accum
-            group = [(first + j, collate(data.train, b, data.pad_id))
-                     for j, b in enumerate(batches[first : first + config.grad_accum])]
+            group = [
+                (first + j, collate(data.train, b, data.pad_id))
+                for j, b in enumerate(batches[first : first + config.grad_accum])
+            ]
             if drop is not None:
                 group = [(j, apply_drop(b, drop)) for j, b in group]
             n_target = max(1, sum(b.num_targets for _, b in group))  # STM may drop every token of a step
@@ -264,8 +325,11 @@ def train(model: nn.Module, adapter, data: TrainData, config: TrainConfig, run_d
             state["seconds"] = time.perf_counter() - started
             bar.update(1)
             bar.set_postfix(epoch=epoch, loss=f"{loss_value:.4f}", tok_s=f"{state['tokens'] / state['seconds']:.0f}")
-            if config.checkpoint_every_steps and state["step"] % config.checkpoint_every_steps == 0 \
-                    and s + 1 < steps_per_epoch:
+            if (
+                config.checkpoint_every_steps
+                and state["step"] % config.checkpoint_every_steps == 0
+                and s + 1 < steps_per_epoch
+            ):
                 checkpoint(epoch_end=False)
         state["epoch"], state["step_in_epoch"] = epoch + 1, 0
         state["seconds"] = time.perf_counter() - started
@@ -281,11 +345,15 @@ def train(model: nn.Module, adapter, data: TrainData, config: TrainConfig, run_d
 
 def _diverged(run_dir: Path, state: dict, what: str):
     last = latest_checkpoint(run_dir)
-    message = (f"training diverged at step {state['step'] + 1} (epoch {state['epoch']}): {what}. "
-               f"Last good checkpoint: {last if last is not None else 'none (the run had not checkpointed yet)'}. "
-               "Try a lower learning rate or gradient clipping.")
-    atomic_write_json(run_dir / "failed.json", {"error": message, "step": state["step"] + 1,
-                                                "last_checkpoint": None if last is None else str(last)})
+    message = (
+        f"training diverged at step {state['step'] + 1} (epoch {state['epoch']}): {what}. "
+        f"Last good checkpoint: {last if last is not None else 'none (the run had not checkpointed yet)'}. "
+        "Try a lower learning rate or gradient clipping."
+    )
+    atomic_write_json(
+        run_dir / "failed.json",
+        {"error": message, "step": state["step"] + 1, "last_checkpoint": None if last is None else str(last)},
+    )
     raise TrainingDiverged(message)
 
 
@@ -295,8 +363,18 @@ def _summary(run_dir, state, data: TrainData, config: TrainConfig, layer, resume
     best = next((c for c in state["checkpoints"] if c.endswith(f"step-{best_step:06d}")), None) if vals else None
     issues = [asdict(x) | {"set": s.name} for s in data.sets().values() for x in s.issues]
     return TrainSummary(
-        run_dir=str(run_dir), steps=state["step"], epochs=state["epoch"], tokens=state["tokens"],
-        seconds=state["seconds"], final_train_loss=state["train_losses"][-1] if state["train_losses"] else None,
-        final_val_loss=vals[max(vals)] if vals else None, best_val_loss=vals[best_step] if vals else None,
-        best_checkpoint=best, checkpoints=list(state["checkpoints"]), prefix_cache_layer=layer, issues=issues,
-        resumed_from=resumed_from, teacher_cached=teacher_cached)
+        run_dir=str(run_dir),
+        steps=state["step"],
+        epochs=state["epoch"],
+        tokens=state["tokens"],
+        seconds=state["seconds"],
+        final_train_loss=state["train_losses"][-1] if state["train_losses"] else None,
+        final_val_loss=vals[max(vals)] if vals else None,
+        best_val_loss=vals[best_step] if vals else None,
+        best_checkpoint=best,
+        checkpoints=list(state["checkpoints"]),
+        prefix_cache_layer=layer,
+        issues=issues,
+        resumed_from=resumed_from,
+        teacher_cached=teacher_cached,
+    )

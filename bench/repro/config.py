@@ -13,6 +13,7 @@
 `configs/repro/x.yaml: eval.kl_contexts: expected a positive integer, got 0`.
 Scalar sections reuse the platform's typed-config parser (atlas_core.typed_config.build).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,12 +31,15 @@ from atlas_core.typed_config import ConfigError, build
 DTYPES = ("bfloat16", "float32")
 
 
-
 @dataclass
 class AtlasSpec:
     retained: str = field(default="gsm8k", metadata={"help": "Retained domain of the calibration contexts."})
-    split: str = field(default="train", metadata={"help": "Its split: 'train' keeps calibration apart from the "
-                                                          "GSM8K test contexts the KL is measured on."})
+    split: str = field(
+        default="train",
+        metadata={
+            "help": "Its split: 'train' keeps calibration apart from the GSM8K test contexts the KL is measured on."
+        },
+    )
     num_vectors: int = field(default=4096, metadata={"help": "N calibration vectors (spec: 4096)."})
     per_example: int = field(default=2, metadata={"help": "Positions sampled per context (spec: 2)."})
     charts: int = field(default=32, metadata={"help": "K charts."})
@@ -48,22 +52,48 @@ class AtlasSpec:
 
 @dataclass
 class EvalSpec:
-    mbpp_plus_limit: int = field(default=224, metadata={"help": "First N MBPP+ test problems (file order) scored "
-                                                                "by EvalPlus at every checkpoint (all: 224)."})
-    heldout_limit: int = field(default=224, metadata={"help": "First N MBPP+ test problems whose reference-solution "
-                                                              "NLL is measured at every checkpoint."})
+    mbpp_plus_limit: int = field(
+        default=224,
+        metadata={
+            "help": "First N MBPP+ test problems (file order) scored by EvalPlus at every checkpoint (all: 224)."
+        },
+    )
+    heldout_limit: int = field(
+        default=224,
+        metadata={"help": "First N MBPP+ test problems whose reference-solution NLL is measured at every checkpoint."},
+    )
     kl_contexts: int = field(default=512, metadata={"help": "First N GSM8K test contexts for the retained KL."})
-    churn_questions: int = field(default=128, metadata={"help": "First N GSM8K test questions answered by the base "
-                                                                "model and by each run's final checkpoint."})
+    churn_questions: int = field(
+        default=128,
+        metadata={
+            "help": "First N GSM8K test questions answered by the base model and by each run's final checkpoint."
+        },
+    )
     max_new_tokens: int = field(default=512, metadata={"help": "Generation limit (MBPP+ and GSM8K)."})
     gen_batch_size: int = field(default=8, metadata={"help": "Prompts per generation batch."})
     kl_batch_size: int = field(default=8, metadata={"help": "Contexts per KL / NLL batch."})
-    nll_levels: int = field(default=8, metadata={"help": "Evenly spaced held-out-NLL levels of the NLL-matched "
-                                                         "comparison (over the range every run reaches)."})
+    nll_levels: int = field(
+        default=8,
+        metadata={
+            "help": "Evenly spaced held-out-NLL levels of the NLL-matched "
+            "comparison (over the range every run reaches)."
+        },
+    )
 
     def __post_init__(self) -> None:
-        _positive(self, ("mbpp_plus_limit", "heldout_limit", "kl_contexts", "churn_questions", "max_new_tokens",
-                         "gen_batch_size", "kl_batch_size", "nll_levels"))
+        _positive(
+            self,
+            (
+                "mbpp_plus_limit",
+                "heldout_limit",
+                "kl_contexts",
+                "churn_questions",
+                "max_new_tokens",
+                "gen_batch_size",
+                "kl_batch_size",
+                "nll_levels",
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -105,8 +135,9 @@ class ReproConfig:
         for pair in self.extra_pairs:
             parts = pair.split(":")
             if len(parts) != 2 or not all(p in names for p in parts) or parts[0] == parts[1]:
-                raise ConfigError(f"extra_pairs: expected 'method:baseline' with two different methods of {names}, "
-                                  f"got {pair!r}")
+                raise ConfigError(
+                    f"extra_pairs: expected 'method:baseline' with two different methods of {names}, got {pair!r}"
+                )
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ConfigError(f"seeds: expected distinct integers, got {self.seeds}")
         if not self.lr_grid or any(not lr > 0 for lr in self.lr_grid):
@@ -226,13 +257,23 @@ def repro_from_dict(data) -> ReproConfig:
     data.pop("extra_pairs", None)
     atlas = build(AtlasSpec, data.pop("atlas", None), "atlas")
     evaluation = build(EvalSpec, data.pop("eval", None), "eval")
-    scalars = {"name": str, "backbone": str, "dtype": str, "reference": str, "layer": int, "rank": int,
-               "epochs": int, "checkpoints_per_epoch": int}
+    scalars = {
+        "name": str,
+        "backbone": str,
+        "dtype": str,
+        "reference": str,
+        "layer": int,
+        "rank": int,
+        "epochs": int,
+        "checkpoints_per_epoch": int,
+    }
     for key, value in data.items():
         kind = scalars[key]
         if isinstance(value, bool) or not isinstance(value, kind):
             raise ConfigError(f"{key}: expected {'an integer' if kind is int else 'a string'}, got {value!r}")
-    return ReproConfig(methods=specs, seeds=seeds, lr_grid=grid, extra_pairs=pairs, atlas=atlas, eval=evaluation, **data)
+    return ReproConfig(
+        methods=specs, seeds=seeds, lr_grid=grid, extra_pairs=pairs, atlas=atlas, eval=evaluation, **data
+    )
 
 
 def load_repro_config(path: str | Path) -> ReproConfig:

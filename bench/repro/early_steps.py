@@ -10,6 +10,7 @@ KL exactly as the runner does (no MBPP+, no answers). Nothing is written to the 
 
     .venv/bin/python -m bench.repro.early_steps --config configs/repro/smollm2.yaml --method atlas --every 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline, like the runner
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see BENCHMARKS.md)
 
-from .config import load_repro_config  # noqa: E402
-from .runner import Runner, default_runner  # noqa: E402
+from .config import load_repro_config
+from .runner import Runner, default_runner
 
 
 def early_steps(runner: Runner, method: str, every: int) -> tuple[list[tuple[int, float, float]], dict | None]:
@@ -40,6 +41,7 @@ def early_steps(runner: Runner, method: str, every: int) -> tuple[list[tuple[int
     rows: list[tuple[int, float, float]] = []
 
     with runner._adapter(rc) as adapter:
+
         def score(_path: Path, state: dict) -> None:
             nll, moved = runner.heldout_nll(adapter), runner.retained_kl(adapter)
             rows.append((state["step"], nll, moved.mean))

@@ -13,6 +13,7 @@ so the share is also printed without positions whose norm exceeds 5x the median.
 
     .venv/bin/python -m bench.repro.mean_share --config configs/repro/smollm2.yaml
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,9 +22,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline, like the runner
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see BENCHMARKS.md)
 
-import torch  # noqa: E402
+import torch
 
-from .config import load_repro_config  # noqa: E402
+from .config import load_repro_config
 
 
 def mean_share(x: torch.Tensor) -> float:
@@ -52,7 +53,9 @@ def main() -> None:
 
     backbone = load_backbone(config.backbone, config.dtype)
     tok = backbone.tokenizer
-    code = ["".join(render_chat(tok, p["prompt"], p["response"])) for p in mbpp_pairs("train")]  # as the trainer sees them
+    code = [
+        "".join(render_chat(tok, p["prompt"], p["response"])) for p in mbpp_pairs("train")
+    ]  # as the trainer sees them
     _, math = retained_contexts(tok, "gsm8k", "test", limit=args.vectors // 2)
     per_domain = {}
     for name, texts in (("mbpp train", code), ("gsm8k test", math)):
@@ -62,13 +65,18 @@ def main() -> None:
     kept = {name: typical(x) for name, x in per_domain.items()}
     for name, x in per_domain.items():
         norms, t = x.norm(dim=1), kept[name]
-        print(f"  {name:11s} positions {len(x):5d}  mean's share of E||h||^2 {mean_share(x):.3f}  "
-              f"median ||h|| {float(norms.median()):7.1f}  max {float(norms.max()):7.1f}  |  "
-              f"without massive positions ({len(x) - len(t)} dropped): share {mean_share(t):.3f}")
+        print(
+            f"  {name:11s} positions {len(x):5d}  mean's share of E||h||^2 {mean_share(x):.3f}  "
+            f"median ||h|| {float(norms.median()):7.1f}  max {float(norms.max()):7.1f}  |  "
+            f"without massive positions ({len(x) - len(t)} dropped): share {mean_share(t):.3f}"
+        )
     a, b = (t.mean(0) for t in kept.values())
     both = typical(torch.cat(list(per_domain.values())))
-    print(f"  without massive positions: cosine between the two domain means "
-          f"{float(torch.nn.functional.cosine_similarity(a, b, dim=0)):.3f}; both domains pooled: share {mean_share(both):.3f}")
+    print(
+        f"  without massive positions: cosine between the two domain means "
+        f"{float(torch.nn.functional.cosine_similarity(a, b, dim=0)):.3f}; "
+        f"both domains pooled: share {mean_share(both):.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ it (a file that does not is refused, naming it, and nothing is written), then re
 `fingerprint` field of each file (experiment.json also gets `method_fingerprints`). Files that
 already carry their new fingerprint are left as they are, so a migration cut short can be rerun.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,23 +44,28 @@ def migrate(root: Path) -> int:
     experiment = json.loads(path.read_text())
     config = experiment["config"]
     shared = experiment_fingerprint(config)
-    store = ResultStore(root, shared, {m["name"]: method_fingerprint(shared, method_identity(m["config"]))
-                                       for m in config["methods"]})
+    store = ResultStore(
+        root, shared, {m["name"]: method_fingerprint(shared, method_identity(m["config"])) for m in config["methods"]}
+    )
     old = legacy_fingerprint(config)
     if experiment["fingerprint"] not in (old, shared):
-        raise StaleResults(f"{path}: fingerprint {experiment['fingerprint'][:12]} is not the old whole-config "
-                           f"fingerprint {old[:12]} of its stored config and the method training configs "
-                           f"({', '.join(m['config'] for m in config['methods'])}): one of those changed since the "
-                           "results were written; restore its version from git history and migrate again")
+        raise StaleResults(
+            f"{path}: fingerprint {experiment['fingerprint'][:12]} is not the old whole-config "
+            f"fingerprint {old[:12]} of its stored config and the method training configs "
+            f"({', '.join(m['config'] for m in config['methods'])}): one of those changed since the "
+            "results were written; restore its version from git history and migrate again"
+        )
     todo = []
     for file in sorted(p for p in root.rglob("*.json") if p != path):
         record, new = json.loads(file.read_text()), store.expected(file)
         if record.get("fingerprint") == old:
             todo.append((file, {**record, "fingerprint": new}))
         elif record.get("fingerprint") != new:
-            raise StaleResults(f"{file}: fingerprint {str(record.get('fingerprint'))[:12]} is neither the "
-                               f"experiment's old one {old[:12]} nor its new one {new[:12]}; not migrated "
-                               "(nothing was written)")
+            raise StaleResults(
+                f"{file}: fingerprint {str(record.get('fingerprint'))[:12]} is neither the "
+                f"experiment's old one {old[:12]} nor its new one {new[:12]}; not migrated "
+                "(nothing was written)"
+            )
     for file, record in todo:
         atomic_write_json(file, record)
     atomic_write_json(path, {**experiment, "fingerprint": shared, "method_fingerprints": store.methods})

@@ -8,6 +8,7 @@ seeds both of its methods have finished. Two matched comparisons (evaluation.com
   - at shared held-out NLL levels: `eval.nll_levels` evenly spaced values over the NLL range
     every run of the pair reaches (lower is better: a checkpoint reaches level v if its NLL <= v).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,9 +38,16 @@ def _load(root: Path) -> dict:
     runs = {key: run for key, run in runs.items() if run is not None}
     all_units = store.units(methods)
     units = [u for u in all_units if (u["method"], u["seed"]) in runs]
-    return {"config": config, "experiment": experiment, "base": store.read(store.base_path()),
-            "sweeps": store.sweeps(methods), "lrs": {m: store.read(store.lr_path(m)) for m in methods},
-            "runs": runs, "units": units, "all_units": all_units}
+    return {
+        "config": config,
+        "experiment": experiment,
+        "base": store.read(store.base_path()),
+        "sweeps": store.sweeps(methods),
+        "lrs": {m: store.read(store.lr_path(m)) for m in methods},
+        "runs": runs,
+        "units": units,
+        "all_units": all_units,
+    }
 
 
 def _not_run(r: dict) -> list[str]:
@@ -63,8 +71,11 @@ def _fmt(k: float) -> str:
 
 def _checkpoints(units: list[dict], level: str) -> list[Checkpoint]:
     get = (lambda u: float(u["mbpp_plus"]["solved"])) if level == "solved" else (lambda u: u["heldout_nll"])
-    return [Checkpoint(u["method"], u["seed"], get(u), u["kl"]["mean"], f"{u['method']}/s{u['seed']}/{u['step']}")
-            for u in units if u["kl"]["mean"] > 0]
+    return [
+        Checkpoint(u["method"], u["seed"], get(u), u["kl"]["mean"], f"{u['method']}/s{u['seed']}/{u['step']}")
+        for u in units
+        if u["kl"]["mean"] > 0
+    ]
 
 
 def comparison_table(r: dict, level: str, common: bool = False) -> tuple[str, list]:
@@ -91,43 +102,56 @@ def comparison_table(r: dict, level: str, common: bool = False) -> tuple[str, li
             continue
         cmp = matched_comparison(pair, method, baseline, direction, levels=levels, n_grid=n_grid)
         span = f"{_fmt(cmp.levels[0])}-{_fmt(cmp.levels[-1])}" if len(cmp.levels) > 1 else _fmt(cmp.levels[0])
-        rows.append(f"| {method} vs {baseline} | {span} ({len(cmp.levels)}) | {cmp.ratio:.3f} | "
-                    f"{100 * cmp.reduction:+.1f}% | {cmp.favour_seeds[method]}/{len(seeds)} | "
-                    f"{cmp.favour_levels[method]}/{len(cmp.levels)} |")
+        rows.append(
+            f"| {method} vs {baseline} | {span} ({len(cmp.levels)}) | {cmp.ratio:.3f} | "
+            f"{100 * cmp.reduction:+.1f}% | {cmp.favour_seeds[method]}/{len(seeds)} | "
+            f"{cmp.favour_levels[method]}/{len(cmp.levels)} |"
+        )
         details.append(cmp)
     what = "MBPP+ solved >= k" if level == "solved" else "held-out NLL <= v"
-    head = [f"| pair | shared levels ({what}; count) | KL ratio (geo. mean) | KL reduction | "
-            "seeds favouring the first | levels favouring the first |", "|---|---|---:|---:|---:|---:|"]
+    head = [
+        f"| pair | shared levels ({what}; count) | KL ratio (geo. mean) | KL reduction | "
+        "seeds favouring the first | levels favouring the first |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     return "\n".join(head + rows) + "\n", details
 
 
 def checkpoint_table(r: dict) -> str:
     """Per method and epoch: mean solved over finished seeds, mean NLL, geometric-mean KL."""
     base = r["base"]
-    lines = ["| method | epoch | seeds | MBPP+ solved (plus) | base tests | held-out NLL | retained KL |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| method | epoch | seeds | MBPP+ solved (plus) | base tests | held-out NLL | retained KL |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     if base:
         m = base["mbpp_plus"]
-        lines.append(f"| base | 0 | - | {m['solved']}/{m['n']} | {m['base_solved']}/{m['n']} | "
-                     f"{base['heldout_nll']:.4f} | {base['kl']['mean']:.2g} |")
+        lines.append(
+            f"| base | 0 | - | {m['solved']}/{m['n']} | {m['base_solved']}/{m['n']} | "
+            f"{base['heldout_nll']:.4f} | {base['kl']['mean']:.2g} |"
+        )
     groups = defaultdict(list)
     for u in r["units"]:
         groups[(u["method"], round(u["epoch"], 3))].append(u)
     order = {m: i for i, m in enumerate(_methods(r["config"]))}
     for (method, epoch), us in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
         n = us[0]["mbpp_plus"]["n"]
-        mean = lambda f: sum(map(f, us)) / len(us)  # noqa: E731
-        lines.append(f"| {method} | {epoch:g} | {len(us)} | {mean(lambda u: u['mbpp_plus']['solved']):.1f}/{n} | "
-                     f"{mean(lambda u: u['mbpp_plus']['base_solved']):.1f}/{n} | {mean(lambda u: u['heldout_nll']):.4f} | "
-                     f"{_geomean(u['kl']['mean'] for u in us):.4g} |")
+        mean = lambda f: sum(map(f, us)) / len(us)
+        lines.append(
+            f"| {method} | {epoch:g} | {len(us)} | {mean(lambda u: u['mbpp_plus']['solved']):.1f}/{n} | "
+            f"{mean(lambda u: u['mbpp_plus']['base_solved']):.1f}/{n} | {mean(lambda u: u['heldout_nll']):.4f} | "
+            f"{_geomean(u['kl']['mean'] for u in us):.4g} |"
+        )
     lines += [f"| {m} | - | 0 | not run yet | | | |" for m in _not_run(r)]
     return "\n".join(lines) + "\n"
 
 
 def sweep_table(r: dict) -> str:
     grid = r["config"]["lr_grid"]
-    lines = ["| method | " + " | ".join(f"lr {lr:g}" for lr in grid) + " | chosen |",
-             "|---|" + "---:|" * (len(grid) + 1)]
+    lines = [
+        "| method | " + " | ".join(f"lr {lr:g}" for lr in grid) + " | chosen |",
+        "|---|" + "---:|" * (len(grid) + 1),
+    ]
     by = {(s["method"], s["lr"]): s for s in r["sweeps"]}
     for m in _methods(r["config"]):
         cells = []
@@ -148,19 +172,24 @@ def churn_table(r: dict) -> tuple[str, dict]:
     per_method = defaultdict(list)
     for u in r["units"]:
         if u.get("final") and "gsm8k_answers" in u:
-            per_method[u["method"]].append(answer_churn(ref, [Answer(a["id"], a["answer"], a["correct"])
-                                                              for a in u["gsm8k_answers"]]))
-    lines = ["| method | seeds | n | accuracy (base -> new) | F | G | W | churn | NFR |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            per_method[u["method"]].append(
+                answer_churn(ref, [Answer(a["id"], a["answer"], a["correct"]) for a in u["gsm8k_answers"]])
+            )
+    lines = [
+        "| method | seeds | n | accuracy (base -> new) | F | G | W | churn | NFR |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     pooled = {}
     for m in _methods(r["config"]):
         cs = per_method.get(m)
         if not cs:
             continue
-        mean = lambda f: sum(map(f, cs)) / len(cs)  # noqa: E731
-        lines.append(f"| {m} | {len(cs)} | {cs[0].n} | {cs[0].accuracy_ref:.3f} -> {mean(lambda c: c.accuracy_new):.3f} | "
-                     f"{mean(lambda c: c.F):.1f} | {mean(lambda c: c.G):.1f} | {mean(lambda c: c.W):.1f} | "
-                     f"{mean(lambda c: c.churn):.3f} | {mean(lambda c: c.nfr):.3f} |")
+        mean = lambda f: sum(map(f, cs)) / len(cs)
+        lines.append(
+            f"| {m} | {len(cs)} | {cs[0].n} | {cs[0].accuracy_ref:.3f} -> {mean(lambda c: c.accuracy_new):.3f} | "
+            f"{mean(lambda c: c.F):.1f} | {mean(lambda c: c.G):.1f} | {mean(lambda c: c.W):.1f} | "
+            f"{mean(lambda c: c.churn):.3f} | {mean(lambda c: c.nfr):.3f} |"
+        )
         pooled[m] = {k: sum(getattr(c, k) for c in cs) for k in ("n", "F", "G", "W")}
     return "\n".join(lines) + "\n(F, G, W, churn and NFR: means over seeds.)\n", pooled
 
@@ -174,15 +203,18 @@ def cost_table(r: dict) -> str:
             wall[k].append(v)
         for k, v in u.get("cpu_seconds", {}).items():
             cpu[k].append(v)
-    mean = lambda v: f"{sum(v) / len(v):.1f}" if v else "-"  # noqa: E731
+    mean = lambda v: f"{sum(v) / len(v):.1f}" if v else "-"
     lines = ["| phase | units | mean wall s | mean CPU s |", "|---|---:|---:|---:|"]
     lines += [f"| {k} | {len(v)} | {mean(v)} | {mean(cpu.get(k, []))} |" for k, v in sorted(wall.items())]
-    per_epoch = [run["train_seconds"] / (run["steps"][-1] / run["steps_per_epoch"])
-                 for run in r["runs"].values() if run["steps"]]
+    per_epoch = [
+        run["train_seconds"] / (run["steps"][-1] / run["steps_per_epoch"]) for run in r["runs"].values() if run["steps"]
+    ]
     if per_epoch:
         lines.append(f"| training, per epoch | {len(per_epoch)} runs | {mean(per_epoch)} | - |")
-    return "\n".join(lines) + "\n(`train`: wall time from the previous unit to this checkpoint: training, validation, "\
+    return (
+        "\n".join(lines) + "\n(`train`: wall time from the previous unit to this checkpoint: training, validation, "
         "checkpoint writing, and for a run's first checkpoint its setup.)\n"
+    )
 
 
 def write_report(root: Path) -> str:
@@ -197,32 +229,53 @@ def write_report(root: Path) -> str:
     churn, pooled = churn_table(r)
     done = sorted(f"{m}/seed{s}" for m, s in r["runs"])
     expected = len(r["config"]["methods"]) * len(r["config"]["seeds"])
-    parts = [f"### Experiment `{name}`\n",
-             f"Finished runs: {len(done)} of {expected} ({', '.join(done) or 'none'}); scored checkpoints of finished "
-             f"runs: {len(r['units'])} (all stored: {len(r['all_units'])}).\n",
-             *([f"Not run yet: {', '.join(_not_run(r))}.\n"] if _not_run(r) else []),
-             "#### Learning rate per method (best validation loss on MBPP validation, seed "
-             f"{r['config']['seeds'][0]})\n", sweep_table(r),
-             "#### Checkpoints (means over finished seeds)\n", checkpoint_table(r),
-             "#### Matched comparison at shared MBPP+ solved counts\n", solved_table,
-             f"#### Matched comparison at shared held-out NLL levels ({r['config']['eval']['nll_levels']} evenly spaced)\n",
-             nll_table, "#### The same at levels every finished method and seed reaches (one range for every row, "
-             "as the paper's table of the seven baselines)\n", common_solved, common_nll,
-             "#### GSM8K answer churn of the final checkpoints vs the base model\n", churn,
-             "#### Measured cost\n", cost_table(r)]
+    parts = [
+        f"### Experiment `{name}`\n",
+        f"Finished runs: {len(done)} of {expected} ({', '.join(done) or 'none'}); scored checkpoints of finished "
+        f"runs: {len(r['units'])} (all stored: {len(r['all_units'])}).\n",
+        *([f"Not run yet: {', '.join(_not_run(r))}.\n"] if _not_run(r) else []),
+        f"#### Learning rate per method (best validation loss on MBPP validation, seed {r['config']['seeds'][0]})\n",
+        sweep_table(r),
+        "#### Checkpoints (means over finished seeds)\n",
+        checkpoint_table(r),
+        "#### Matched comparison at shared MBPP+ solved counts\n",
+        solved_table,
+        f"#### Matched comparison at shared held-out NLL levels ({r['config']['eval']['nll_levels']} evenly spaced)\n",
+        nll_table,
+        "#### The same at levels every finished method and seed reaches (one range for every row, "
+        "as the paper's table of the seven baselines)\n",
+        common_solved,
+        common_nll,
+        "#### GSM8K answer churn of the final checkpoints vs the base model\n",
+        churn,
+        "#### Measured cost\n",
+        cost_table(r),
+    ]
     cps = _checkpoints(r["units"], "solved")
     if cps:
-        for level, file, label, direction in (("solved", "tradeoff_solved.png", "MBPP+ problems solved", "higher"),
-                                              ("nll", "tradeoff_nll.png", "held-out NLL (nats/token)", "lower")):
+        for level, file, label, direction in (
+            ("solved", "tradeoff_solved.png", "MBPP+ problems solved", "higher"),
+            ("nll", "tradeoff_nll.png", "held-out NLL (nats/token)", "lower"),
+        ):
             points = _checkpoints(r["units"], level)
             try:
-                shared = shared_levels(points, direction, None if level == "solved" else r["config"]["eval"]["nll_levels"])
+                shared = shared_levels(
+                    points, direction, None if level == "solved" else r["config"]["eval"]["nll_levels"]
+                )
             except ValueError:
                 shared = None
-            tradeoff_plot(points, root / file, direction, level_label=label, shared=shared,
-                          title=f"{name}: retained KL vs {label}")
-        parts.append(f"![KL vs solved](../results/repro/{name}/tradeoff_solved.png) "
-                     f"![KL vs NLL](../results/repro/{name}/tradeoff_nll.png)\n")
+            tradeoff_plot(
+                points,
+                root / file,
+                direction,
+                level_label=label,
+                shared=shared,
+                title=f"{name}: retained KL vs {label}",
+            )
+        parts.append(
+            f"![KL vs solved](../results/repro/{name}/tradeoff_solved.png) "
+            f"![KL vs NLL](../results/repro/{name}/tradeoff_nll.png)\n"
+        )
     if pooled:
         churn_bars(pooled, root / "churn.png", title=f"{name}: GSM8K answer churn vs base (pooled over seeds)")
         parts.append(f"![churn](../results/repro/{name}/churn.png)\n")

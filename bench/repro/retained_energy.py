@@ -20,6 +20,7 @@ the statistics file and the adapter files are enough.
         --backbone .atlas_state/backbones/smollm2-135m/model.safetensors \
         .atlas_state/repro/smollm2-l15/runs/o-lora/seed0/lr-0.005/checkpoints/step-*
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,10 @@ def main() -> None:
         A, B = tensors["lora_A"].double(), tensors["lora_B"].double()
         e = update_energy(A, B, m["scaling"], C)
         rel = "" if base is None else f"  E||dW x||^2 / E||W x||^2 {e / base:.2e}"
-        print(f"{m.get('method', '?'):12s} step {m.get('step', '?'):>4}  through A {through_a(A, C):.3f}  "
-              f"E||dW x||^2 {e / stats.tokens:.3e}{rel}")
+        print(
+            f"{m.get('method', '?'):12s} step {m.get('step', '?'):>4}  through A {through_a(A, C):.3f}  "
+            f"E||dW x||^2 {e / stats.tokens:.3e}{rel}"
+        )
 
 
 if __name__ == "__main__":

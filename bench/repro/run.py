@@ -7,6 +7,7 @@ Re-running a finished experiment trains and scores nothing: it reads results/rep
 and rewrites the same tables. Exit status 0 when the experiment is complete, 3 when the
 budget stopped it (run the same command again to continue).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,17 +19,21 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from .config import load_repro_config  # noqa: E402
-from .report import update_docs, write_report  # noqa: E402
-from .runner import Budget, default_results, default_runner  # noqa: E402
-from .store import ResultStore  # noqa: E402
+from .config import load_repro_config
+from .report import update_docs, write_report
+from .runner import Budget, default_results, default_runner
+from .store import ResultStore
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.repro.run", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="experiment file (configs/repro/*.yaml)")
-    parser.add_argument("--budget-minutes", type=float, default=None,
-                        help="stop cleanly after the unit that would make the next one overrun this budget")
+    parser.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=None,
+        help="stop cleanly after the unit that would make the next one overrun this budget",
+    )
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from stored results")
     parser.add_argument("--docs", type=Path, default=None, help="also replace this experiment's section of this file")
     parser.add_argument("--results", type=Path, default=None, help="results folder (default results/repro/<name>)")
@@ -41,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         runner = default_runner(config, results, Budget(args.budget_minutes))
         complete = runner.run()
-        print(f"[repro] session: {(time.perf_counter() - started) / 60:.1f} min; experiment "
-              f"{'complete' if complete else 'not complete yet (run the same command again)'}", flush=True)
+        print(
+            f"[repro] session: {(time.perf_counter() - started) / 60:.1f} min; experiment "
+            f"{'complete' if complete else 'not complete yet (run the same command again)'}",
+            flush=True,
+        )
     if (results / "experiment.json").is_file():
         if args.report_only:  # refuse a changed config; record methods and seeds added to it
             ResultStore.of(config, results).check_experiment(config.to_dict())

@@ -22,6 +22,7 @@ is deterministic) and units already stored are not scored again.
 Budget: after each unit (one sweep epoch or one scored checkpoint) the runner stops cleanly
 when the time used, or the time used plus that unit's duration, exceeds the budget.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,9 +35,21 @@ from pathlib import Path
 
 from atlas_core.paths import PROJECT_ROOT, state_dir
 from atlas_core.residual import ResidualConfig, attach, build_residual
-from atlas_core.train import (PrefixCache, ResidualAdapter, TrainingDiverged, WeightLoRA, as_adapter, build_adapter,
-                              build_caches, epoch_batches, list_checkpoints, prepare_data, read_state,
-                              sweep_learning_rate, train)
+from atlas_core.train import (
+    PrefixCache,
+    ResidualAdapter,
+    TrainingDiverged,
+    WeightLoRA,
+    as_adapter,
+    build_adapter,
+    build_caches,
+    epoch_batches,
+    list_checkpoints,
+    prepare_data,
+    read_state,
+    sweep_learning_rate,
+    train,
+)
 from atlas_core.train.objectives import mean_loss
 from evaluation.kl import RetainedKL
 
@@ -60,8 +73,10 @@ class Budget:
     def after_unit(self, unit_seconds: float) -> None:
         """Stop if the next unit (assumed as long as this one) would not fit."""
         if self.limit is not None and self.used() + unit_seconds > self.limit:
-            raise BudgetSpent(f"budget of {self.limit / 60:.0f} min: {self.used() / 60:.1f} min used, "
-                              f"the last unit took {unit_seconds / 60:.1f} min")
+            raise BudgetSpent(
+                f"budget of {self.limit / 60:.0f} min: {self.used() / 60:.1f} min used, "
+                f"the last unit took {unit_seconds / 60:.1f} min"
+            )
 
 
 def _log(message: str) -> None:
@@ -81,8 +96,14 @@ def default_runner(config: ReproConfig, results: Path | None = None, budget: Bud
 
 
 class Runner:
-    def __init__(self, config: ReproConfig, results: Path, state: Path, make_workload: Callable[[], Workload],
-                 budget: Budget | None = None):
+    def __init__(
+        self,
+        config: ReproConfig,
+        results: Path,
+        state: Path,
+        make_workload: Callable[[], Workload],
+        budget: Budget | None = None,
+    ):
         self.config, self.state, self.make_workload = config, Path(state), make_workload
         self.store = ResultStore.of(config, results)
         self.budget = budget or Budget(None)
@@ -95,9 +116,11 @@ class Runner:
     # ------------------------------------------------------------------ plan
     def complete(self) -> bool:
         c, s = self.config, self.store
-        return (s.read(s.base_path()) is not None
-                and all(s.chosen_lr(m.name) is not None for m in c.methods)
-                and all(s.run_done(m.name, seed) for seed in c.seeds for m in c.methods))
+        return (
+            s.read(s.base_path()) is not None
+            and all(s.chosen_lr(m.name) is not None for m in c.methods)
+            and all(s.run_done(m.name, seed) for seed in c.seeds for m in c.methods)
+        )
 
     def run(self) -> bool:
         """Do every missing unit (within the budget); True when the experiment is complete."""
@@ -150,10 +173,20 @@ class Runner:
 
     def _heldout(self, layer: int | None):
         """The held-out set (tokenised like training data) and its prefix cache at `layer`."""
-        data = self._cached("heldout", lambda: prepare_data(self.w.tokenizer, self.w.heldout_pairs,
-                                                            self.config.run_config(self.config.reference, 0, 1.0).train))
-        cache = None if layer is None else self._cached(("heldout", layer), lambda: PrefixCache.build(
-            self.w.model, data.train, layer, data.pad_id, self.config.eval.kl_batch_size))
+        data = self._cached(
+            "heldout",
+            lambda: prepare_data(
+                self.w.tokenizer, self.w.heldout_pairs, self.config.run_config(self.config.reference, 0, 1.0).train
+            ),
+        )
+        cache = (
+            None
+            if layer is None
+            else self._cached(
+                ("heldout", layer),
+                lambda: PrefixCache.build(self.w.model, data.train, layer, data.pad_id, self.config.eval.kl_batch_size),
+            )
+        )
         return data, cache
 
     def _kl(self, adapter) -> tuple[RetainedKL, list]:
@@ -162,8 +195,14 @@ class Runner:
         layer = adapter.cache_layer
 
         def build():
-            kl = RetainedKL(self.w.model, self.w.tokenizer, self.w.kl_contexts, layer,
-                            batch_size=self.config.eval.kl_batch_size, progress=False)
+            kl = RetainedKL(
+                self.w.model,
+                self.w.tokenizer,
+                self.w.kl_contexts,
+                layer,
+                batch_size=self.config.eval.kl_batch_size,
+                progress=False,
+            )
             with _frozen(adapter):
                 return kl, kl.reference()
 
@@ -190,8 +229,11 @@ class Runner:
         clock.lap("heldout_nll")
         moved = self.retained_kl(adapter)
         clock.lap("kl")
-        record = {"mbpp_plus": asdict(target), "heldout_nll": nll,
-                  "kl": {"mean": moved.mean, "positions": moved.positions, "contexts": len(moved.per_context)}}
+        record = {
+            "mbpp_plus": asdict(target),
+            "heldout_nll": nll,
+            "kl": {"mean": moved.mean, "positions": moved.positions, "contexts": len(moved.per_context)},
+        }
         if final:
             with _adapted(w.model, adapter):
                 record["gsm8k_answers"] = _answers(w.answer_retained(w.model, w.tokenizer))
@@ -202,8 +244,11 @@ class Runner:
     def base(self) -> None:
         """The frozen model: a plain residual with B = 0 adds exactly nothing (Delta = B A h = 0)."""
         _log("base model: MBPP+, held-out NLL, GSM8K answers")
-        zero = ResidualAdapter(build_residual(ResidualConfig(variant="plain", layer=self.config.layer,
-                                                             rank=self.config.rank), self.w.model))
+        zero = ResidualAdapter(
+            build_residual(
+                ResidualConfig(variant="plain", layer=self.config.layer, rank=self.config.rank), self.w.model
+            )
+        )
         record = self._score(zero, final=True)  # its KL is a check: exactly 0
         self.store.write(self.store.base_path(), {"kind": "base", **self.w.info, **record})
         self._unit_done()
@@ -222,8 +267,11 @@ class Runner:
         return replace(rc, train=replace(rc.train, checkpoint_every_steps=every)), steps
 
     def _new_adapter(self, rc):
-        stats = self._cached(("stats", rc.layer), self._retained_stats) if rc.adapter == "weight-lora" \
-            and rc.lora.needs_stats else None
+        stats = (
+            self._cached(("stats", rc.layer), self._retained_stats)
+            if rc.adapter == "weight-lora" and rc.lora.needs_stats
+            else None
+        )
         return as_adapter(build_adapter(rc, self.w.model, self.w.atlas, stats=stats))  # LoRA factors are fp32
 
     def _retained_stats(self):
@@ -234,10 +282,13 @@ class Runner:
         from atlas_core.train.retained_stats import retained_stats
 
         if not self.w.calibration:
-            raise ValueError("workload: a method needs retained statistics, but the workload has no calibration contexts")
+            raise ValueError(
+                "workload: a method needs retained statistics, but the workload has no calibration contexts"
+            )
         ids = [torch.tensor(t) for t in self.w.tokenizer(self.w.calibration, add_special_tokens=False)["input_ids"]]
-        return retained_stats(self.w.model, self.config.layer, ids, backbone=self.config.backbone,
-                              cache_dir=self.state / "retained-stats")
+        return retained_stats(
+            self.w.model, self.config.layer, ids, backbone=self.config.backbone, cache_dir=self.state / "retained-stats"
+        )
 
     @contextmanager
     def _adapter(self, rc):
@@ -250,8 +301,10 @@ class Runner:
 
     def _train(self, rc, adapter, run_dir: Path, on_checkpoint):
         data = self._train_data(rc.train)
-        caches = self._cached(("train", adapter.cache_layer),
-                              lambda: build_caches(self.w.model, data, adapter.cache_layer, rc.train.cache_batch_size))
+        caches = self._cached(
+            ("train", adapter.cache_layer),
+            lambda: build_caches(self.w.model, data, adapter.cache_layer, rc.train.cache_batch_size),
+        )
         return train(self.w.model, adapter, data, rc.train, run_dir, caches=caches, on_checkpoint=on_checkpoint)
 
     def sweep(self, method: str) -> None:
@@ -265,12 +318,17 @@ class Runner:
             with self._adapter(rc) as adapter:
                 try:
                     summary = self._train(rc, adapter, self._run_dir(method, seed, lr), self._between_checkpoints)
-                    record = {"val_losses": _val_losses(summary.checkpoints), "best_val_loss": summary.best_val_loss,
-                              "diverged": False, "train_seconds": round(summary.seconds, 1)}
+                    record = {
+                        "val_losses": _val_losses(summary.checkpoints),
+                        "best_val_loss": summary.best_val_loss,
+                        "diverged": False,
+                        "train_seconds": round(summary.seconds, 1),
+                    }
                 except TrainingDiverged as e:
                     record = {"val_losses": {}, "best_val_loss": None, "diverged": True, "error": str(e)}
-            self.store.write(path, {"kind": "sweep", "method": method, "seed": seed, "lr": lr,
-                                    "steps_per_epoch": steps, **record})
+            self.store.write(
+                path, {"kind": "sweep", "method": method, "seed": seed, "lr": lr, "steps_per_epoch": steps, **record}
+            )
             if lr != self.config.lr_grid[-1]:
                 self._unit_done()
         # No budget stop between the last sweep run and the choice: the choice reads the runs back
@@ -292,8 +350,14 @@ class Runner:
             return made[-1]
 
         try:
-            result = sweep_learning_rate(self.w.model, fresh, self._train_data(rc.train), rc.train,
-                                         self.config.lr_grid, self._run_dir(method, seed))
+            result = sweep_learning_rate(
+                self.w.model,
+                fresh,
+                self._train_data(rc.train),
+                rc.train,
+                self.config.lr_grid,
+                self._run_dir(method, seed),
+            )
         finally:
             if made and isinstance(made[-1], WeightLoRA):
                 made[-1].remove()
@@ -312,15 +376,29 @@ class Runner:
                 return
             self._unit_clock.lap("train")  # training since the previous unit (with validation and checkpoint)
             record = self._score(adapter, final=state["finished"])
-            record["seconds"]["train"], record["cpu_seconds"]["train"] = (self._unit_clock.wall["train"],
-                                                                          self._unit_clock.cpu["train"])
-            self.store.write(self.store.unit_path(method, seed, step), {
-                "kind": "checkpoint", "method": method, "seed": seed, "lr": lr, "step": step,
-                "epoch": step / steps, "final": state["finished"],
-                "val_loss": state["val_losses"].get(str(step)), "train_seconds": round(state["seconds"], 1),
-                **record})
-            _log(f"  {method} seed {seed} step {step}: solved {record['mbpp_plus']['solved']}, "
-                 f"NLL {record['heldout_nll']:.4f}, KL {record['kl']['mean']:.4g}")
+            record["seconds"]["train"], record["cpu_seconds"]["train"] = (
+                self._unit_clock.wall["train"],
+                self._unit_clock.cpu["train"],
+            )
+            self.store.write(
+                self.store.unit_path(method, seed, step),
+                {
+                    "kind": "checkpoint",
+                    "method": method,
+                    "seed": seed,
+                    "lr": lr,
+                    "step": step,
+                    "epoch": step / steps,
+                    "final": state["finished"],
+                    "val_loss": state["val_losses"].get(str(step)),
+                    "train_seconds": round(state["seconds"], 1),
+                    **record,
+                },
+            )
+            _log(
+                f"  {method} seed {seed} step {step}: solved {record['mbpp_plus']['solved']}, "
+                f"NLL {record['heldout_nll']:.4f}, KL {record['kl']['mean']:.4g}"
+            )
             self._between_checkpoints(path, state)
 
         with self._adapter(rc) as adapter:
@@ -330,10 +408,19 @@ class Runner:
                     adapter.load_weights(path / "adapter.safetensors")
                     score(path, state)
             summary = self._train(rc, adapter, run_dir, score)
-        self.store.write(self.store.run_path(method, seed), {
-            "kind": "run", "method": method, "seed": seed, "lr": lr, "steps_per_epoch": steps,
-            "steps": [int(Path(c).name.split("-")[1]) for c in summary.checkpoints],
-            "train_seconds": round(summary.seconds, 1), "tokens": summary.tokens})
+        self.store.write(
+            self.store.run_path(method, seed),
+            {
+                "kind": "run",
+                "method": method,
+                "seed": seed,
+                "lr": lr,
+                "steps_per_epoch": steps,
+                "steps": [int(Path(c).name.split("-")[1]) for c in summary.checkpoints],
+                "train_seconds": round(summary.seconds, 1),
+                "tokens": summary.tokens,
+            },
+        )
         self._unit_done()
 
 

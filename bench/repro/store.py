@@ -18,6 +18,7 @@ every method's fingerprint, so the report checks the files without the config fi
 another configuration are refused, not mixed: a changed shared setting refuses the experiment, a
 changed training config refuses that method's files only; adding a method or a seed refuses nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,10 @@ def _differing(new: dict, old: dict, prefix: str = "") -> list[str]:
 
 
 def _rerun(method: str) -> str:
-    return (f"delete the method's files (sweep/{method}/, lr/{method}.json, units/{method}/, "
-            f"runs/{method}-seed*.json) to rerun it")
+    return (
+        f"delete the method's files (sweep/{method}/, lr/{method}.json, units/{method}/, "
+        f"runs/{method}-seed*.json) to rerun it"
+    )
 
 
 @dataclass
@@ -95,8 +98,12 @@ class ResultStore:
         return None
 
     def method_files(self, method: str) -> list[Path]:
-        paths = [*(self.root / "sweep" / method).glob("*.json"), self.lr_path(method),
-                 *(self.root / "units" / method).glob("*.json"), *(self.root / "runs").glob(f"{method}-seed*.json")]
+        paths = [
+            *(self.root / "sweep" / method).glob("*.json"),
+            self.lr_path(method),
+            *(self.root / "units" / method).glob("*.json"),
+            *(self.root / "runs").glob(f"{method}-seed*.json"),
+        ]
         return sorted(p for p in paths if p.is_file() and self.method_of(p) == method)
 
     def expected(self, path: Path) -> str:
@@ -105,8 +112,10 @@ class ResultStore:
         if method is None:
             return self.fingerprint
         if method not in self.methods:
-            raise StaleResults(f"{path}: method {method!r} is not one of this experiment's methods "
-                               f"{sorted(self.methods)} (no fingerprint recorded for it)")
+            raise StaleResults(
+                f"{path}: method {method!r} is not one of this experiment's methods "
+                f"{sorted(self.methods)} (no fingerprint recorded for it)"
+            )
         return self.methods[method]
 
     # ------------------------------------------------------------------ reading and writing
@@ -121,8 +130,11 @@ class ResultStore:
         expected, found = self.expected(path), str(record.get("fingerprint"))
         if found != expected:
             method = self.method_of(path)
-            what = ("another experiment configuration; use a new experiment name or delete the folder" if method is None
-                    else f"another training config of method {method!r}; restore that config, or {_rerun(method)}")
+            what = (
+                "another experiment configuration; use a new experiment name or delete the folder"
+                if method is None
+                else f"another training config of method {method!r}; restore that config, or {_rerun(method)}"
+            )
             raise StaleResults(f"{path}: written by {what} (fingerprint {found[:12]}, this config {expected[:12]})")
         return record
 
@@ -144,19 +156,25 @@ class ResultStore:
                 why = f"its files carry old whole-config fingerprints: run python -m bench.repro.migrate {self.root}"
             else:
                 why = "no shared field differs, but the fingerprint does"
-            raise StaleResults(f"{path}: the stored experiment has another configuration ({why}); "
-                               "use a new experiment name or delete the folder")
+            raise StaleResults(
+                f"{path}: the stored experiment has another configuration ({why}); "
+                "use a new experiment name or delete the folder"
+            )
         if old.get("seeds") and config["seeds"][0] != old["seeds"][0]:
-            raise StaleResults(f"{path}: seeds: the stored sweeps were run at seed {old['seeds'][0]}, this config's "
-                               f"first seed is {config['seeds'][0]}; keep it first and add seeds after it")
+            raise StaleResults(
+                f"{path}: seeds: the stored sweeps were run at seed {old['seeds'][0]}, this config's "
+                f"first seed is {config['seeds'][0]}; keep it first and add seeds after it"
+            )
         recorded = stored.get("method_fingerprints", {})
         for method, fp in self.methods.items():
             files = self.method_files(method) if recorded.get(method, fp) != fp else []
             if files:
                 source = next((m["config"] for m in config["methods"] if m["name"] == method), "?")
-                raise StaleResults(f"{files[0]}: method {method!r}: its training config ({source}) is not the one "
-                                   f"its {len(files)} stored files were produced with; restore it, or "
-                                   f"{_rerun(method)}; the other methods' results stay valid")
+                raise StaleResults(
+                    f"{files[0]}: method {method!r}: its training config ({source}) is not the one "
+                    f"its {len(files)} stored files were produced with; restore it, or "
+                    f"{_rerun(method)}; the other methods' results stay valid"
+                )
         merged = {**recorded, **self.methods}  # a method left out of the config keeps its files checkable
         if old != config or merged != recorded:
             self._update(path, stored, config=config, method_fingerprints=merged)
@@ -181,9 +199,11 @@ class ResultStore:
         old = stored["atlas_meta"]
         differing = sorted(k for k in set(old) | set(meta) if k != "inertia" and old.get(k) != meta.get(k))
         if differing or abs(meta["inertia"] - old["inertia"]) > 1e-5 * abs(old["inertia"]):
-            raise StaleResults(f"{path}: results were produced with atlas sha256 {known[:12]}, this session's atlas "
-                               f"is {sha256[:12]} and another fit (differing: {differing or ['inertia']}); "
-                               "restore the atlas file or start a new experiment name")
+            raise StaleResults(
+                f"{path}: results were produced with atlas sha256 {known[:12]}, this session's atlas "
+                f"is {sha256[:12]} and another fit (differing: {differing or ['inertia']}); "
+                "restore the atlas file or start a new experiment name"
+            )
         self._update(path, stored, atlas_refits=refits + [{"sha256": sha256, "inertia": meta["inertia"]}])
 
     def _update(self, path: Path, stored: dict, **fields) -> None:

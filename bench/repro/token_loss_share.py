@@ -14,6 +14,7 @@ backbone and scores the training set once with f0 (~2 min with loading); nothing
 
     .venv/bin/python -m bench.repro.token_loss_share --config configs/repro/smollm2.yaml
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,14 +25,14 @@ from collections.abc import Sequence
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline, like the runner
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see BENCHMARKS.md)
 
-import torch  # noqa: E402
+import torch
 
-from atlas_core.train.baselines.stm import f0_token_nll, stm_drop  # noqa: E402
-from atlas_core.train.baselines.talr import talr_weights  # noqa: E402
-from atlas_core.train.data import epoch_batches  # noqa: E402
+from atlas_core.train.baselines.stm import f0_token_nll, stm_drop
+from atlas_core.train.baselines.talr import talr_weights
+from atlas_core.train.data import epoch_batches
 
-from .config import load_repro_config  # noqa: E402
-from .runner import default_runner  # noqa: E402
+from .config import load_repro_config
+from .runner import default_runner
 
 
 def loss_shares(nll: Sequence[torch.Tensor], batches: Sequence[Sequence[int]], tau: float = 2.5) -> dict[str, float]:

@@ -11,6 +11,7 @@ while `default_workload` builds the real one from the platform's own pieces:
     target scorer   evaluation.tasks.eval_mbpp_plus (greedy generation + EvalPlus)
     answers         evaluation.tasks.eval_gsm8k (greedy; for answer churn of final checkpoints)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -63,7 +64,11 @@ def atlas_path(config: ReproConfig, root: Path) -> Path:
     the atlas the full run then loads, and the fp32 check uses the same atlas as the bf16 run
     (the dtype it was extracted in is in its meta; routing always runs in fp32)."""
     key = json.dumps([config.backbone, config.layer, asdict(config.atlas)], sort_keys=True)
-    return root / "atlases" / f"{config.backbone}-L{config.layer}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.safetensors"
+    return (
+        root
+        / "atlases"
+        / f"{config.backbone}-L{config.layer}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.safetensors"
+    )
 
 
 def fit_or_load_atlas(config: ReproConfig, model, tokenizer, path: Path):
@@ -75,19 +80,32 @@ def fit_or_load_atlas(config: ReproConfig, model, tokenizer, path: Path):
     if path.is_file():
         return Atlas.load(path)
     spec = config.atlas
-    atlas_config = AtlasConfig(num_charts=spec.charts, rank=spec.rank, num_vectors=spec.num_vectors,
-                               per_example=spec.per_example, seed=spec.seed)
+    atlas_config = AtlasConfig(
+        num_charts=spec.charts,
+        rank=spec.rank,
+        num_vectors=spec.num_vectors,
+        per_example=spec.per_example,
+        seed=spec.seed,
+    )
     examples = -(-spec.num_vectors // spec.per_example)
     ids, texts = retained_contexts(tokenizer, spec.retained, spec.split, limit=examples)
     started = time.perf_counter()
-    x = sample_activations(model, tokenizer, texts, config.layer, spec.num_vectors, spec.per_example, spec.seed,
-                           progress=False)
-    meta = {"layer": config.layer, "backbone": config.backbone, "dtype": config.dtype,
-            "data": f"{spec.retained} {spec.split}: first {len(ids)} contexts (prompt + reference answer)"}
+    x = sample_activations(
+        model, tokenizer, texts, config.layer, spec.num_vectors, spec.per_example, spec.seed, progress=False
+    )
+    meta = {
+        "layer": config.layer,
+        "backbone": config.backbone,
+        "dtype": config.dtype,
+        "data": f"{spec.retained} {spec.split}: first {len(ids)} contexts (prompt + reference answer)",
+    }
     atlas = fit_atlas(x, atlas_config, meta)
     atlas.save(path)
-    print(f"[repro] atlas: {len(x)} vectors from {len(ids)} {spec.retained} {spec.split} contexts, "
-          f"fitted in {time.perf_counter() - started:.0f} s -> {path}", flush=True)
+    print(
+        f"[repro] atlas: {len(x)} vectors from {len(ids)} {spec.retained} {spec.split} contexts, "
+        f"fitted in {time.perf_counter() - started:.0f} s -> {path}",
+        flush=True,
+    )
     return Atlas.load(path)  # loaded back so that its sha256 is known
 
 
@@ -103,23 +121,43 @@ def default_workload(config: ReproConfig, state: Path) -> Workload:
     ev = config.eval
 
     def score_target(m, tok) -> TargetScore:
-        result = eval_mbpp_plus(m, tok, limit=ev.mbpp_plus_limit, max_new_tokens=ev.max_new_tokens,
-                                batch_size=ev.gen_batch_size).result
-        return TargetScore(result.n, result.solved, result.base_solved, result.solved_ids(),
-                           [p.task_id for p in result.problems if p.base_passed])
+        result = eval_mbpp_plus(
+            m, tok, limit=ev.mbpp_plus_limit, max_new_tokens=ev.max_new_tokens, batch_size=ev.gen_batch_size
+        ).result
+        return TargetScore(
+            result.n,
+            result.solved,
+            result.base_solved,
+            result.solved_ids(),
+            [p.task_id for p in result.problems if p.base_passed],
+        )
 
     def answer_retained(m, tok) -> list:
-        return eval_gsm8k(m, tok, limit=ev.churn_questions, max_new_tokens=ev.max_new_tokens,
-                          batch_size=ev.gen_batch_size).answers
+        return eval_gsm8k(
+            m, tok, limit=ev.churn_questions, max_new_tokens=ev.max_new_tokens, batch_size=ev.gen_batch_size
+        ).answers
 
     needs_atlas = any(config.run_config(m.name, 0, 1.0).atlas is not None for m in config.methods)
     atlas = fit_or_load_atlas(config, model, tokenizer, atlas_path(config, state.parent)) if needs_atlas else None
     _, contexts = retained_contexts(tokenizer, "gsm8k", "test", limit=ev.kl_contexts)
     spec, calibration = config.atlas, []
-    if any(rc.adapter == "weight-lora" and rc.lora.needs_stats for rc in (config.run_config(m.name, 0, 1.0)
-                                                                          for m in config.methods)):
-        _, calibration = retained_contexts(tokenizer, spec.retained, spec.split, limit=-(-spec.num_vectors // spec.per_example))
-    return Workload(model, tokenizer, mbpp_pairs("train"), mbpp_pairs("validation"), heldout_pairs(ev.heldout_limit),
-                    contexts, score_target, answer_retained, atlas,
-                    info={"backbone": backbone.name, "revision": backbone.revision, "dtype": config.dtype},
-                    calibration=calibration)
+    if any(
+        rc.adapter == "weight-lora" and rc.lora.needs_stats
+        for rc in (config.run_config(m.name, 0, 1.0) for m in config.methods)
+    ):
+        _, calibration = retained_contexts(
+            tokenizer, spec.retained, spec.split, limit=-(-spec.num_vectors // spec.per_example)
+        )
+    return Workload(
+        model,
+        tokenizer,
+        mbpp_pairs("train"),
+        mbpp_pairs("validation"),
+        heldout_pairs(ev.heldout_limit),
+        contexts,
+        score_target,
+        answer_retained,
+        atlas,
+        info={"backbone": backbone.name, "revision": backbone.revision, "dtype": config.dtype},
+        calibration=calibration,
+    )

@@ -1,5 +1,6 @@
 """Alembic environment for the ledger. `registry.db.upgrade` passes the engine in; there
 is no alembic.ini, so migrations run the same from any working directory."""
+
 from __future__ import annotations
 
 from alembic import context

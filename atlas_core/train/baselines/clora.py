@@ -8,6 +8,7 @@ frozen). k = 512 in the paper, capped (choice) at min(512, d // 2) with d = min(
 the constrained subspace never covers the whole space of a small projection. Plain LoRA
 otherwise, saved as plain factors.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,10 @@ from ..lora import WeightLoRA
 def clora_penalty(A: torch.Tensor, B: torch.Tensor, P_A: torch.Tensor, P_B: torch.Tensor, lam: float) -> torch.Tensor:
     """lambda * (1/2 ||A P_A||^2 + 1/2 ||B^T P_B||^2): A (r, d_in), B (d_out, r), P_A (d_in, k), P_B (d_out, k)."""
     if A.shape[1] != P_A.shape[0] or B.shape[0] != P_B.shape[0] or A.shape[0] != B.shape[1]:
-        raise ValueError(f"clora: shapes A {tuple(A.shape)}, B {tuple(B.shape)}, P_A {tuple(P_A.shape)}, "
-                         f"P_B {tuple(P_B.shape)} do not fit")
+        raise ValueError(
+            f"clora: shapes A {tuple(A.shape)}, B {tuple(B.shape)}, P_A {tuple(P_A.shape)}, "
+            f"P_B {tuple(P_B.shape)} do not fit"
+        )
     return lam * 0.5 * ((A @ P_A).square().sum() + (B.T @ P_B).square().sum())
 
 
@@ -31,8 +34,9 @@ def clora_k(d_in: int, d_out: int, k: int | None) -> int:
 class CLoRA(WeightLoRA):
     method = "clora"
 
-    def __init__(self, model, layer: int, rank: int, alpha: float, target: str, seed: int, lam: float = 1.0,
-                 k: int | None = None):
+    def __init__(
+        self, model, layer: int, rank: int, alpha: float, target: str, seed: int, lam: float = 1.0, k: int | None = None
+    ):
         self.lam, self.k = float(lam), k
         super().__init__(model, layer, rank, alpha, target, seed)
 

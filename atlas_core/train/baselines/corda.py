@@ -17,6 +17,7 @@ function, a bit-identical backbone (f0 = the adapter switched off, and a version
 re-applies CorDA onto a mutated model), and the delta relative to the original W is saved as
 the factors [A; A0], [B, -B0] (rank 2r) that a chain applies.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -39,8 +40,10 @@ class CordaKPM(LoRANull):
 
         self._tmp = tempfile.TemporaryDirectory(prefix="corda-")
         self._cov_file = str(Path(self._tmp.name) / "covariance.pt")
-        return {"init_lora_weights": "corda",
-                "corda_config": CordaConfig(corda_method="kpm", covariance_file=self._cov_file, verbose=False)}
+        return {
+            "init_lora_weights": "corda",
+            "corda_config": CordaConfig(corda_method="kpm", covariance_file=self._cov_file, verbose=False),
+        }
 
     def _before_inject(self, model, config) -> None:
         from peft.tuners.lora.corda import preprocess_corda

@@ -16,6 +16,7 @@ branch (a hook on lora_B), the same function as the official W - s B0 A0. The ba
 bit-identical, f0 is the adapter switched off, and the delta relative to the ORIGINAL W,
 s (B A - B0 A0), is saved as the rank-2r factors [A; A0], [B, -B0] (v2: rank r, A0 and B - B0).
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,9 @@ MODES = ("v1", "v2")
 class LoRANull(WeightLoRA):
     method = "lora-null"
 
-    def __init__(self, model, layer: int, rank: int, alpha: float, target: str, seed: int, stats: RetainedStats,
-                 mode: str = "v1"):
+    def __init__(
+        self, model, layer: int, rank: int, alpha: float, target: str, seed: int, stats: RetainedStats, mode: str = "v1"
+    ):
         if mode not in MODES:
             raise ValueError(f"lora_null.mode: expected one of {MODES}, got {mode!r}")
         self.mode, self.stats = mode, stats

@@ -9,6 +9,7 @@ single update (choice, default `past: pca`): the top-r eigenvectors of the retai
 covariance C = X_ret^T X_ret, as rows, i.e. the directions the retained domains use most.
 The rest is plain LoRA (PEFT), saved as plain factors.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -25,15 +26,28 @@ PAST = ("pca", "files")
 def olora_penalty(A: torch.Tensor, A_past: torch.Tensor, lam: float) -> torch.Tensor:
     """lambda1 * sum |A_past A^T|: A (r, d_in), A_past (r_past, d_in)."""
     if A.ndim != 2 or A_past.ndim != 2 or A.shape[1] != A_past.shape[1]:
-        raise ValueError(f"olora: expected A (r, d_in) and A_past (r_past, d_in), got {tuple(A.shape)}, {tuple(A_past.shape)}")
+        raise ValueError(
+            f"olora: expected A (r, d_in) and A_past (r_past, d_in), got {tuple(A.shape)}, {tuple(A_past.shape)}"
+        )
     return lam * (A_past @ A.T).abs().sum()
 
 
 class OLoRA(WeightLoRA):
     method = "o-lora"
 
-    def __init__(self, model, layer: int, rank: int, alpha: float, target: str, seed: int, lam: float = 0.5,
-                 past: str = "pca", stats: RetainedStats | None = None, past_files: Sequence[str] = ()):
+    def __init__(
+        self,
+        model,
+        layer: int,
+        rank: int,
+        alpha: float,
+        target: str,
+        seed: int,
+        lam: float = 0.5,
+        past: str = "pca",
+        stats: RetainedStats | None = None,
+        past_files: Sequence[str] = (),
+    ):
         if past not in PAST:
             raise ValueError(f"o_lora.past: expected one of {PAST}, got {past!r}")
         if past == "pca" and stats is None:
@@ -48,9 +62,11 @@ class OLoRA(WeightLoRA):
         d_in = self.lora_A.shape[1]
         if self.past == "pca":
             _, vecs = torch.linalg.eigh(self.stats.matrix("cov", self.layer, self.target, d_in))  # ascending
-            self.A_past = vecs[:, -self.rank:].T.flip(0).float().contiguous()  # (r, d_in): top-r, largest first
+            self.A_past = vecs[:, -self.rank :].T.flip(0).float().contiguous()  # (r, d_in): top-r, largest first
         else:
-            self.A_past = torch.cat([load_verified(p, kind="weight-lora")[0]["lora_A"].float() for p in self.past_files])
+            self.A_past = torch.cat(
+                [load_verified(p, kind="weight-lora")[0]["lora_A"].float() for p in self.past_files]
+            )
             if self.A_past.shape[1] != d_in:
                 raise ValueError(f"o_lora.past_files: their A has d_in {self.A_past.shape[1]}, this projection {d_in}")
         self.A_past = self.A_past.to(self.lora_A.device)
@@ -64,5 +80,9 @@ class OLoRA(WeightLoRA):
         return olora_penalty(self.lora_A, self.A_past, self.lam)
 
     def describe(self) -> dict:
-        return super().describe() | {"lambda1": self.lam, "past": self.past, "stats_key": self.stats_key,
-                                     "past_rows": int(self.A_past.shape[0])}
+        return super().describe() | {
+            "lambda1": self.lam,
+            "past": self.past,
+            "stats_key": self.stats_key,
+            "past_rows": int(self.A_past.shape[0]),
+        }

@@ -13,6 +13,7 @@ whatever A and B become: W's top-k singular triples are kept exactly. Standard L
 (choice, unconfirmed by the paper). PEFT's merge would drop the projections, so the delta is
 saved projected by hand: factors A P_R and P_L B.
 """
+
 from __future__ import annotations
 
 import torch

@@ -10,6 +10,7 @@ The mask is a function of the training set and f0 only, so it is computed once a
 under a content key: the training set's fingerprint, tau, and a probe of f0 (sha256 of its
 final hidden states on the first example, so another backbone, dtype or parent chain misses).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -65,8 +66,16 @@ def _probe(model, adapter, data: TokenizedSet) -> str:
     return hashlib.sha256(h.float().cpu().numpy().tobytes()).hexdigest()
 
 
-def stm_mask(model, adapter, data: TokenizedSet, cache, pad_id: int, tau: float = 2.5, batch_size: int = 16,
-             cache_dir: str | Path | None = None) -> tuple[list[torch.Tensor], dict]:
+def stm_mask(
+    model,
+    adapter,
+    data: TokenizedSet,
+    cache,
+    pad_id: int,
+    tau: float = 2.5,
+    batch_size: int = 16,
+    cache_dir: str | Path | None = None,
+) -> tuple[list[torch.Tensor], dict]:
     """(per-example drop masks, info) for the training set `data`, from the cache when stored."""
     key = config_hash("stm-mask", STM_FORMAT, tau, data.fingerprint(), _probe(model, adapter, data))
     path = Path(cache_dir if cache_dir is not None else state_dir() / "stm-masks") / f"{key}.safetensors"
@@ -78,8 +87,11 @@ def stm_mask(model, adapter, data: TokenizedSet, cache, pad_id: int, tau: float 
         drop = list(tensors["drop"].bool().split(counts))
     else:
         drop = stm_drop(f0_token_nll(model, adapter, data, cache, pad_id, batch_size), tau)
-        save_verified(path, {"drop": torch.cat(drop).to(torch.uint8)},
-                      {"kind": "stm-mask", "format": STM_FORMAT, "tau": tau, "key": key, "counts": counts})
+        save_verified(
+            path,
+            {"drop": torch.cat(drop).to(torch.uint8)},
+            {"kind": "stm-mask", "format": STM_FORMAT, "tau": tau, "key": key, "counts": counts},
+        )
     total = sum(counts)
     dropped = int(sum(int(d.sum()) for d in drop))
     return drop, {"key": key, "tau": tau, "dropped": dropped, "tokens": total, "path": str(path)}

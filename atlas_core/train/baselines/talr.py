@@ -10,6 +10,7 @@ Every step, from the CURRENT model's response-token NLLs l_t (stop-gradient):
 has plain CE's scale; the batch is the micro-batch; the median of an even count is the mean
 of the two middle values (torch.quantile 0.5). softmax(-l / tau) * N computes it stably.
 """
+
 from __future__ import annotations
 
 import torch

@@ -14,6 +14,7 @@ Not mergeable (Sigma_x depends on the token), so a saved TopLoRA is applied froz
 dispatches files of kind "toplora" to it). The trainable form is PEFT's LoRA with the gate
 as a hook on lora_A's output: PEFT computes  result + lora_B(gate * lora_A(x)) * s.
 """
+
 from __future__ import annotations
 
 import math
@@ -70,15 +71,27 @@ class TopLoRA(WeightLoRA):
         return self
 
     def named_trainable(self):
-        return [("lora_A", self.lora_A), ("lora_B", self.lora_B), ("theta", self.gate.theta),
-                ("gain", self.gate.norm.weight)]
+        return [
+            ("lora_A", self.lora_A),
+            ("lora_B", self.lora_B),
+            ("theta", self.gate.theta),
+            ("gain", self.gate.norm.weight),
+        ]
 
     def delta_factors(self):
         raise TypeError("toplora: the update depends on the token (not mergeable); FrozenTopLoRA applies it")
 
     def save(self, path: str | Path, meta: dict) -> dict:
-        manifest = {**meta, "kind": self.kind, "format": TOPLORA_FORMAT, **self.describe(), "method": self.method,
-                    "module": self.module_name, "scaling": self.scaling, "eps": self.gate.norm.eps}
+        manifest = {
+            **meta,
+            "kind": self.kind,
+            "format": TOPLORA_FORMAT,
+            **self.describe(),
+            "method": self.method,
+            "module": self.module_name,
+            "scaling": self.scaling,
+            "eps": self.gate.norm.eps,
+        }
         return save_verified(path, dict(self.named_trainable()), manifest)
 
 
@@ -87,13 +100,16 @@ class FrozenTopLoRA:
 
     kind = "toplora"
 
-    def __init__(self, module_name: str, tensors: dict[str, torch.Tensor], scaling: float, layer: int,
-                 eps: float | None = None):
+    def __init__(
+        self, module_name: str, tensors: dict[str, torch.Tensor], scaling: float, layer: int, eps: float | None = None
+    ):
         A, B, theta, gain = (tensors[k].detach() for k in ("lora_A", "lora_B", "theta", "gain"))
         r, d_in = A.shape
         if B.ndim != 2 or B.shape[1] != r or tuple(theta.shape) != (d_in, r) or tuple(gain.shape) != (r,):
-            raise ValueError(f"toplora: expected A (r, d_in), B (d_out, r), theta (d_in, r), gain (r,), got "
-                             f"{tuple(A.shape)}, {tuple(B.shape)}, {tuple(theta.shape)}, {tuple(gain.shape)}")
+            raise ValueError(
+                f"toplora: expected A (r, d_in), B (d_out, r), theta (d_in, r), gain (r,), got "
+                f"{tuple(A.shape)}, {tuple(B.shape)}, {tuple(theta.shape)}, {tuple(gain.shape)}"
+            )
         self.module_name, self.scaling, self.layer, self.eps = module_name, float(scaling), int(layer), eps
         self.A, self.B, self.theta, self.gain = A, B, theta, gain
 

@@ -8,22 +8,23 @@ Revision ID: 0003
 Revises: 0002
 Create Date: 2026-12-01
 """
+
 from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = '0003'
-down_revision = '0002'
+revision = "0003"
+down_revision = "0002"
 branch_labels = None
 depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('ledger_backbones') as batch:
-        batch.add_column(sa.Column('weights_sha256', sa.String(length=64), nullable=True))
+    with op.batch_alter_table("ledger_backbones") as batch:
+        batch.add_column(sa.Column("weights_sha256", sa.String(length=64), nullable=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('ledger_backbones') as batch:
-        batch.drop_column('weights_sha256')
+    with op.batch_alter_table("ledger_backbones") as batch:
+        batch.drop_column("weights_sha256")
