@@ -6,15 +6,14 @@ for is the backbone with every delta of its chain applied, oldest first:
     f_t = f_0 + D_1 + D_2 + ... + D_t      (each D_i trained with D_1..D_{i-1} attached, frozen)
 
 Deltas are adapter files (safetensors + manifest with sha256, atlas_core.io), loaded and
-verified here. The kinds (besides TopLoRA's frozen form, and `atlas_core.peft_lora.LoraSet`,
-a PEFT LoRA adapter trained elsewhere: one FrozenLoRA per adapted Linear):
-- a residual at a decoder layer's output (any ATLAS variant): attached by a forward hook;
-  residuals at the same layer apply in chain order (atlas_core.residual.Attachment);
-- a Weight-LoRA (rank-r update of one Linear inside a layer): a frozen forward hook on that
-  Linear adds  scaling * B A x,  the same arithmetic as PEFT's LoRA layer (x cast to the
-  factors' dtype, the sum cast back). A hook rather than PEFT injection, because PEFT keeps
-  one adapter named 'default' per module and a chain may hold several LoRAs on one module
-  (and a new one may be trained there on top).
+verified here by the delta format their manifest's "kind" names (atlas_core.methods): among the
+built-in ones
+- a residual at a decoder layer's output (any ATLAS variant, kind "adapter"): attached by a
+  forward hook; residuals at the same layer apply in chain order (atlas_core.residual.Attachment);
+- a Weight-LoRA or weight baseline (kind "weight-lora"): a rank-r update of one Linear inside a
+  layer, applied by a frozen hook (atlas_core.lora_delta.FrozenLoRA);
+- TopLoRA's frozen form (kind "toplora"), and a PEFT LoRA adapter trained elsewhere (kind
+  "peft-lora", atlas_core.peft_lora.LoraSet: one FrozenLoRA per adapted Linear).
 
 Nothing is copied: `with chain.attached(model): ...` installs every delta and removes them
 all on exit, leaving the backbone bit-identical.
@@ -28,80 +27,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Union
 
-import torch
 from torch import nn
 
+from . import methods
 from .atlas import Atlas
 from .errors import InputError
-from .io import IntegrityError, expect_shape, load_verified
-from .residual import AtlasResidual, attach, load_adapter
+from .io import IntegrityError
+from .lora_delta import FrozenLoRA, hooked_linear, read_lora_file
+from .residual import AtlasResidual
 
+__all__ = ["Chain", "Delta", "FrozenLoRA", "delta_layer", "hooked_linear", "load_delta", "read_lora_file"]
 
-def read_lora_file(path: str | Path, kind: str, names: tuple[str, ...]) -> tuple[dict, dict]:
-    """A saved LoRA-family delta, verified: (tensors, manifest) with the manifest's module, scaling,
-    rank and layer present, every tensor of `names` present and A (rank, d_in), B (d_out, rank)."""
-    tensors, manifest = load_verified(path, kind=kind)
-    missing = [k for k in ("module", "scaling", "rank", "layer") if k not in manifest]
-    if missing:
-        raise IntegrityError(f"{path}: manifest lacks field {missing[0]!r}")
-    rank = manifest["rank"]
-    for name in names:
-        if name not in tensors:
-            raise IntegrityError(f"{path}: tensor {name!r} missing")
-    expect_shape("lora_A", tensors["lora_A"], (rank, tensors["lora_A"].shape[1]), str(path))
-    expect_shape("lora_B", tensors["lora_B"], (tensors["lora_B"].shape[0], rank), str(path))
-    return tensors, manifest
-
-
-def hooked_linear(model: nn.Module, module_name: str, shape: tuple[int, int], kind: str) -> nn.Linear:
-    """The Linear a frozen LoRA-family delta hooks: `module_name`, or the base layer of a PEFT
-    wrapper installed there since; refused unless its weight is (d_out, d_in) = `shape`."""
-    try:
-        target = model.get_submodule(module_name)
-    except AttributeError as e:
-        raise InputError(f"{kind}: the model has no module {module_name!r} ({e})") from e
-    base = getattr(target, "base_layer", target)
-    if not isinstance(base, nn.Linear) or tuple(base.weight.shape) != tuple(shape):
-        raise InputError(f"{kind}: {module_name} is not a Linear of shape {tuple(shape)}")
-    return base
-
-
-class FrozenLoRA:
-    """A saved Weight-LoRA applied as a frozen hook: out = W x + scaling * B (A x)."""
-
-    kind = "weight-lora"
-
-    def __init__(self, module_name: str, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, layer: int):
-        if lora_A.ndim != 2 or lora_B.ndim != 2 or lora_A.shape[0] != lora_B.shape[1]:
-            raise ValueError(
-                f"lora: expected A (r, d_in) and B (d_out, r), got {tuple(lora_A.shape)} and {tuple(lora_B.shape)}"
-            )
-        self.module_name, self.scaling, self.layer = module_name, float(scaling), int(layer)
-        self.lora_A, self.lora_B = lora_A.detach(), lora_B.detach()  # (r, d_in), (d_out, r)
-
-    @classmethod
-    def load(cls, path: str | Path) -> "FrozenLoRA":
-        tensors, m = read_lora_file(path, "weight-lora", ("lora_A", "lora_B"))
-        return cls(m["module"], tensors["lora_A"], tensors["lora_B"], m["scaling"], m["layer"])
-
-    @contextmanager
-    def attached(self, model: nn.Module) -> Iterator[None]:
-        base = hooked_linear(model, self.module_name, (self.lora_B.shape[0], self.lora_A.shape[1]), "lora")
-        dev = base.weight.device
-        A, B = self.lora_A.to(dev), self.lora_B.to(dev)
-
-        def hook(_module, args, out):
-            x = args[0].to(A.dtype)  # (..., d_in)
-            return out + ((x @ A.T) @ B.T * self.scaling).to(out.dtype)  # (..., d_out)
-
-        handle = base.register_forward_hook(hook)
-        try:
-            yield
-        finally:
-            handle.remove()
-
-
-Delta = Union[AtlasResidual, FrozenLoRA]
+Delta = Union[AtlasResidual, FrozenLoRA]  # and any registered format's frozen delta
 
 
 def load_delta(path: str | Path, atlas_for: Callable[[str], Atlas | None]) -> Delta:
@@ -111,22 +48,17 @@ def load_delta(path: str | Path, atlas_for: Callable[[str], Atlas | None]) -> De
         manifest = json.loads(manifest_file.read_text())
     except (OSError, ValueError) as e:
         raise IntegrityError(f"{manifest_file}: unreadable manifest ({e})") from e
-    if manifest.get("kind") == "weight-lora":
-        return FrozenLoRA.load(path)
-    if manifest.get("kind") == "toplora":  # not mergeable: applied by its own frozen form
-        from .train.baselines.toplora import FrozenTopLoRA
-
-        return FrozenTopLoRA.load(path)
-    if manifest.get("kind") == "peft-lora":  # a PEFT LoRA adapter trained elsewhere (atlas_core.peft_lora)
-        from .peft_lora import LoraSet
-
-        return LoraSet.load(path)
-    atlas_sha = manifest.get("atlas_sha256")
-    return load_adapter(path, atlas_for(atlas_sha) if atlas_sha else None)
+    if not isinstance(manifest, dict):
+        raise IntegrityError(f"{manifest_file}: expected a JSON object")
+    try:
+        fmt = methods.delta_format(manifest.get("kind"), str(manifest_file))
+    except InputError as e:
+        raise IntegrityError(str(e)) from e
+    return fmt.load(Path(path), manifest, atlas_for)
 
 
 def delta_layer(delta: Delta) -> int:
-    return delta.config.layer if isinstance(delta, AtlasResidual) else delta.layer
+    return methods.format_of(delta).layer(delta)
 
 
 @dataclass
@@ -151,8 +83,5 @@ class Chain:
         """The backbone behaving as this version (training, generation, KL); restored on exit."""
         with ExitStack() as stack:
             for delta in self.deltas:
-                if isinstance(delta, AtlasResidual):
-                    stack.enter_context(attach(model, delta))
-                else:
-                    stack.enter_context(delta.attached(model))
+                stack.enter_context(methods.format_of(delta).attached(model, delta))
             yield

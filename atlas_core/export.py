@@ -11,6 +11,10 @@
              after an ancestor, to load on top of that ancestor
     merged   a plain transformers model folder with every LoRA delta folded into its weights
 
+What a delta exports as is its delta format's (atlas_core.methods.DeltaFormat): `peft_method`
+("lora", "atlas" or none) and `loras()` (the plain LoRAs it is made of, refused by a delta that
+is none).
+
 One LoRA from a chain. Deltas on one module add: W x + sum_i s_i B_i A_i x. Stacking the
 factors, A = [A_1; A_2; ...] (sum r_i, d_in) and B = [s_1 B_1, s_2 B_2, ...] (d_out, sum r_i),
 gives B A = sum_i s_i B_i A_i, which is PEFT's `add_weighted_adapter(combination_type="cat")`
@@ -26,13 +30,13 @@ from pathlib import Path
 
 import torch
 
+from . import methods
 from .backbone import weights_folder, weights_sha256
-from .chain import Chain, FrozenLoRA
+from .chain import Chain
 from .errors import InputError
 from .io import atomic_folder, atomic_write_json
-from .peft_lora import LoraSet
+from .lora_delta import FrozenLoRA
 from .release import LoadedRelease, write_manifest
-from .residual import AtlasResidual
 
 FORMATS = ("folder", "peft", "merged")
 
@@ -84,22 +88,9 @@ def lora_factors(chain: Chain) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _loras(i: int, delta) -> list[FrozenLoRA]:
-    """The plain LoRAs a delta is made of (a Weight-LoRA: one; a submitted PEFT LoRA: one per module)."""
-    if isinstance(delta, LoraSet):
-        return delta.loras
-    if isinstance(delta, AtlasResidual):
-        raise InputError(
-            f"delta {i} of the chain is an ATLAS residual: it is input-conditioned (routed by h), "
-            "so it is no LoRA and folds into no weight; export it with --format peft (the ATLAS "
-            "PEFT method) or --format folder"
-        )
-    if not isinstance(delta, FrozenLoRA):
-        raise InputError(
-            f"delta {i} of the chain is a {getattr(delta, 'kind', type(delta).__name__)} delta, "
-            "which is no plain LoRA (e.g. TopLoRA's token-wise gate) and folds into no weight; "
-            "export it with --format folder"
-        )
-    return [delta]
+    """The plain LoRAs a delta is made of (a Weight-LoRA: one; a submitted PEFT LoRA: one per module);
+    its format refuses a delta that is none (an ATLAS residual, TopLoRA)."""
+    return methods.format_of(delta).loras(delta, f"delta {i} of the chain")
 
 
 def chain_since(release: LoadedRelease, since: str | None) -> Chain:
@@ -120,16 +111,16 @@ def chain_since(release: LoadedRelease, since: str | None) -> Chain:
 def export_peft(release: LoadedRelease, out: str | Path, since: str | None = None) -> Path:
     """The chain (after `since`) as one PEFT adapter: LoRA for LoRA deltas, the ATLAS method for residuals."""
     chain = chain_since(release, since)
-    kinds = {isinstance(d, AtlasResidual) for d in chain.deltas}
-    if not kinds:
+    peft_methods = {methods.format_of(d).peft_method for d in chain.deltas}
+    if not peft_methods:
         raise InputError(f"{release.name}: no delta to export" + (f" after {since}" if since else ""))
-    if kinds == {True}:
+    if peft_methods == {"atlas"}:
         from .residual.peft import save_atlas_adapter
 
         with atomic_folder(out) as tmp:
             save_atlas_adapter(chain, release.model, release.manifest["backbone"]["name"], tmp)
         return Path(out)
-    if kinds == {True, False}:
+    if "atlas" in peft_methods:  # one PEFT adapter holds one method; the others export as LoRA
         raise InputError(
             f"{release.name}: its chain mixes ATLAS residuals and LoRA deltas; one PEFT adapter holds "
             "one method: export with --format folder or mlflow, or the LoRA deltas alone with "

@@ -57,6 +57,11 @@ def json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
 
+def config_hash(*parts) -> str:
+    """sha256 of the canonical JSON of `parts` (dicts, lists, strings): a content key."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_bytes(path, json_bytes(obj))
 

@@ -7,7 +7,7 @@ PEFT's LoRA adds, on every adapted Linear m (any modules, any layers),
 
 where r_m and alpha_m come from `rank_pattern` / `alpha_pattern` matched against the module's
 name exactly as PEFT matches them (peft.utils.other.get_pattern_key), else `r` / `lora_alpha`.
-`LoraSet` is that sum as frozen hooks: one atlas_core.chain.FrozenLoRA per module, the same
+`LoraSet` is that sum as frozen hooks: one atlas_core.lora_delta.FrozenLoRA per module, the same
 arithmetic (x cast to the factors' dtype, the sum cast back), so it stacks after any other
 delta of a chain and folds into merged weights like the platform's own Weight-LoRA.
 
@@ -32,9 +32,10 @@ import torch
 from torch import nn
 
 from .backbone import decoder_layers, decoder_layers_name
-from .chain import FrozenLoRA, hooked_linear
 from .errors import InputError
 from .io import IntegrityError, load_verified, save_verified, sha256_file
+from .lora_delta import FrozenLoRA, hooked_linear
+from .methods import DeltaFormat, register_format
 
 KIND = "peft-lora"
 FORMAT = 1
@@ -254,3 +255,19 @@ def from_peft_folder(folder: str | Path, model: nn.Module) -> LoraSet:
         "use_rslora": bool(config.get("use_rslora")),
     }
     return LoraSet(loras, source)
+
+
+class LoraSetDelta(DeltaFormat):
+    """A submitted PEFT LoRA (kind "peft-lora"): a LoraSet, exported as LoRA like the platform's own."""
+
+    kind = KIND
+    peft_method = "lora"
+
+    def load(self, path: Path, manifest: dict, atlas_for) -> LoraSet:
+        return LoraSet.load(path)
+
+    def loras(self, delta: LoraSet, where: str) -> list[FrozenLoRA]:
+        return delta.loras
+
+
+register_format(LoraSetDelta())

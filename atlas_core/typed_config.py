@@ -5,7 +5,9 @@ bool, Optional, list[T], tuple[...], dict[str, T], nested dataclasses) and refus
 typo in a YAML file is an error such as `retained.kl_contexts: expected an integer, got 'many'`
 rather than a silently ignored field. A number must be finite (`nan`, `.inf`, 'inf' are refused:
 `train.lr: expected a finite number, got nan`) and an integer must fit in 64 bits (every count and
-seed reaches torch, numpy or the ledger as one).
+seed reaches torch, numpy or the ledger as one). A field whose type depends on the others (a
+training method's options, atlas_core.train.config) gets it from the dataclass's classmethod
+`field_types(data) -> {name: type}`, asked before the fields are checked.
 """
 
 from __future__ import annotations
@@ -114,10 +116,13 @@ def build(cls, data, where: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(f"{where or cls.__name__}: expected a mapping of fields, got {data!r}")
     hints = _hints(cls)
+    if hasattr(cls, "field_types"):
+        hints = hints | cls.field_types(data)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in data if k not in names]
     if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown field; expected one of {names}")
+        expected = f"expected one of {names}" if names else "this block takes no fields"
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown field; {expected}")
     values = {k: _convert(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
     try:
         return cls(**values)

@@ -198,7 +198,7 @@ def main() -> None:
     prompts = csqa_choice_prompts(tokenizer, "validation", 128)[1]
     prefixed = ChoiceSet(model, tokenizer, prompts, batch_size=8, layer=layer)
     start = time.perf_counter()
-    prefixed.prefix()  # nothing attached yet: the base model's states, as flows.runtime.choice_set stores them
+    prefixed.prefix()  # nothing attached yet: the base model's states, as Resources.choice_set stores them
     print(f"# CSQA choice prefix states (once per line and prompt set): {time.perf_counter() - start:.1f} s")
     for case, candidate, refs in (("base", base, None), ("v1", v1, [base, base]), ("v2", v2.chain, [base, v1])):
         kl_too = refs is not None and not args.answers_only  # the base: its answers only (its KL is 0)

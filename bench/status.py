@@ -30,8 +30,8 @@ for _ in range(3): update()
 """
 QUERY = """
 from flows.platform import configure_environment; configure_environment()
-from flows import serve
-scheduled, recent = serve.{reader}(5)
+from flows import prefect_runs
+scheduled, recent = prefect_runs.{reader}(5)
 print(len(recent))
 """
 READERS = {

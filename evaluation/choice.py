@@ -34,7 +34,7 @@ class ChoiceResult:
     logprobs: torch.Tensor  # (n_questions, n_labels) log p(label | prompt), full-vocabulary softmax
 
     def answers(self, ids: Sequence[str], gold: Sequence[str]) -> list[Answer]:
-        """Per-question records (answer = chosen label) for storage and `churn.answer_churn`."""
+        """Per-question records (answer = chosen label) for storage and `flows.compare.answer_churn`."""
         if not len(ids) == len(gold) == len(self.choices):
             raise ValueError(f"{len(ids)} ids and {len(gold)} gold labels for {len(self.choices)} choices")
         return [Answer(i, c, c == g) for i, c, g in zip(ids, self.choices, gold)]

@@ -29,10 +29,6 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-# No hub traffic ever: every file is local. Set before `datasets` reads its config.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
 from atlas_core.errors import InputError
 from atlas_core.paths import data_dir, state_dir
 from evaluation.datafiles import DataIntegrityError, download, verified_path, verify_all
@@ -47,7 +43,15 @@ if TYPE_CHECKING:
     from datasets import Dataset  # imported where a set is loaded: `datasets` costs ~1 s (pandas, pyarrow)
 
 
+def _offline() -> None:
+    """No hub traffic ever: every file is local. Set before `datasets` is first imported (it reads
+    these once), here rather than at import: importing a module changes no environment."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
 def _json_dataset(path: Path) -> Dataset:
+    _offline()
     import datasets
 
     datasets.disable_progress_bars()  # a bar per tiny local file is noise
@@ -186,6 +190,7 @@ def load_mbpp_plus(split: str = "test", root: str | Path | None = None) -> Datas
                 "canonical_solution": row["canonical_solution"],
             }
         )
+    _offline()
     from datasets import Dataset
 
     return Dataset.from_list(rows)

@@ -8,19 +8,26 @@ import os
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-
-from atlas_core.paths import state_dir
-
-# matplotlib keeps a font cache; keep it with the project's other state, not in ~/.cache.
-os.environ.setdefault("MPLCONFIGDIR", str(state_dir() / "matplotlib"))
-
-import matplotlib
-
-matplotlib.use("Agg")  # files only; never needs a display
-import matplotlib.pyplot as plt
+from typing import TYPE_CHECKING
 
 from atlas_core.io import atomic_write_bytes
+from atlas_core.paths import state_dir
 from evaluation.compare import Checkpoint, min_kl_at
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, never a display), its font cache kept
+    with the project's other state rather than in ~/.cache; set up on first use, not at import."""
+    os.environ.setdefault("MPLCONFIGDIR", str(state_dir() / "matplotlib"))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _frontier(checkpoints: Sequence[Checkpoint], direction: str) -> tuple[list[float], list[float]]:
@@ -42,10 +49,10 @@ def _frontier(checkpoints: Sequence[Checkpoint], direction: str) -> tuple[list[f
     return xs, ys
 
 
-def _save(fig: plt.Figure, path: str | Path) -> Path:
+def _save(fig: Figure, path: str | Path) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    _pyplot().close(fig)
     atomic_write_bytes(path, buf.getvalue())
     return Path(path)
 
@@ -67,6 +74,7 @@ def tradeoff_plot(
     for c in checkpoints:
         by_method[c.method].append(c)
     many = len(by_method) > 10  # the default cycle has 10 colours: beyond, 20 colours and a marker per method
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8.4 if many else 6.4, 4.2))
     for i, (method, cps) in enumerate(sorted(by_method.items())):
         color = plt.get_cmap("tab20")(i % 20) if many else f"C{i}"
@@ -96,8 +104,9 @@ def churn_bars(
     churn_by_model: Mapping[str, Mapping[str, float]], path: str | Path, title: str = "Answer churn vs reference"
 ) -> Path:
     """Stacked F / G / W rates (share of questions) per model; `churn_by_model[name]` holds
-    at least n, F, G, W (e.g. `Churn.as_dict()`)."""
+    at least n, F, G, W (e.g. `flows.compare.Churn.as_dict()`)."""
     names = list(churn_by_model)
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(names) + 2), 4.0))
     bottom = [0.0] * len(names)
     for key, label, color in (
@@ -116,12 +125,13 @@ def churn_bars(
 
 def history_figure(
     releases: Sequence[str], panels: Sequence[tuple[str, str, Mapping[str, Sequence[float | None]]]]
-) -> plt.Figure:
+) -> Figure:
     """A release line across releases t = 0..T: one axis per panel (title, y label, series label ->
     a value per release, None where nothing was measured), so each axis carries one unit only."""
     t = list(range(len(releases)))
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
+    plt = _pyplot()
     fig, axes = plt.subplots(rows, cols, figsize=(5.0 * cols, 3.8 * rows), squeeze=False)
     for ax, (title, ylabel, series) in zip(axes.flat, panels):
         for label, values in series.items():

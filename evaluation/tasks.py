@@ -6,7 +6,7 @@
 
 Each takes any Hugging Face causal LM and its tokenizer; `limit` keeps the first N problems
 (a fixed, file-order subset) for smoke runs. Per-question answers can be written with
-`answers.write_answers` and compared across models with `churn.answer_churn`.
+`answers.write_answers` and compared across models with `flows.compare.answer_churn`.
 """
 
 from __future__ import annotations

@@ -12,18 +12,17 @@
     gate_candidate    the gate for one existing candidate, e.g. a submitted one (flows/gate_check.py)
 
 Configs: flows/config.py (UpdateConfig, configs/update/), flows/policy.py (ReleasePolicy,
-configs/policy/). Where state lives: flows/platform.py; the process resources the stages
-look up by value (backbone, deltas, atlases, KL caches): flows/runtime.py. Importing this package points
-Prefect's home at the project state folder (unless PREFECT_HOME is set).
+configs/policy/). Where state lives: flows/platform.py (PlatformRef); what the stages compute with
+(the opened platform, backbone, deltas, atlases, KL caches): flows/resources.py. Importing this
+package changes nothing; entry points (`atlas`, flows.platform.open_platform) set the environment
+(flows.platform.configure_environment: Prefect's home under the state folder, offline hub, ...).
 """
 
-from .platform import configure_environment
-
-configure_environment()
+from types import MappingProxyType
 
 # The public functions, imported on first use: they bring torch, transformers and Prefect, which
 # the operational commands (`atlas rollback`, `status`, ...) must not wait for.
-_LAZY = {"load_release": ".serving", "submit_candidate": ".submit"}
+_LAZY = MappingProxyType({"load_release": ".serving", "submit_candidate": ".submit"})
 
 
 def __getattr__(name: str):

@@ -55,7 +55,7 @@ def rollback_champion(platform, model: str | int, reason: str, flow_run_id: Opti
 
     info = get_model(platform.ledger, int(model) if str(model).isdigit() else model)
     release = rollback(platform.ledger, platform.bridge, info.id, reason, flow_run_id=flow_run_id)
-    return RolledBack(info.name, get_version(platform.ledger, release.version_id).name, release)
+    return RolledBack(model=info.name, champion=get_version(platform.ledger, release.version_id).name, release=release)
 
 
 def latest_report(state: Path, model_name: str) -> Path | None:
@@ -109,7 +109,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     finally:
         p.close()
     if args.prefect or (prefect_server() and not args.no_prefect):
-        from .serve import prefect_status
+        from .prefect_runs import prefect_status
 
         print("\n" + prefect_status(args.limit))
     elif not args.no_prefect:
@@ -121,7 +121,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from registry import compare_versions, resolve_version
+    from registry import resolve_version
+
+    from .compare import compare_versions
 
     p = _platform()
     try:
@@ -135,8 +137,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_history(args: argparse.Namespace) -> int:
-    from registry import alias_holder, format_history, release_history
+    from registry import alias_holder, release_history
 
+    from .compare import format_history
     from .history import line_history
 
     p = _platform()
@@ -202,10 +205,6 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from atlas_core.errors import InputError
     from registry import get_version, latest_gate_decision, resolve_version
 
-    if getattr(args, "gate_command", None) == "check":
-        from .cli_release import cmd_gate_check
-
-        return cmd_gate_check(args)
     if args.explain is None:
         raise InputError("give --explain VERSION, or `atlas gate check VERSION --config C --policy P`")
     p = _platform()

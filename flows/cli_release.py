@@ -10,57 +10,39 @@ import json
 from .cli_ops import print_checks
 
 
-def _check_cycle_files(
-    config: str,
-    policy: str,
-    backbone: str | None = None,
-    skill: str | None = None,
-    line: str | None = None,
-    snapshot: str | None = None,
-):
-    """A cycle's config, policy and snapshot (the `update` flow's parameters), validated before
-    Prefect starts: a typo is reported at once, and nothing is opened or written."""
-    from .config import load_update_config
-    from .policy import load_cycle_policy
-    from .skills import resolve_snapshot
-
-    cfg = load_update_config(config, backbone=backbone, skill=skill, line=line)
-    load_cycle_policy(policy, cfg)
-    if snapshot is not None:
-        resolve_snapshot(snapshot, "--snapshot")
-    return cfg
-
-
 def cmd_update(args: argparse.Namespace) -> int:
-    _check_cycle_files(args.config, args.policy, args.backbone, args.skill, args.line, args.snapshot)
-    from .update import update
+    # Parsed and checked once, before Prefect starts: a typo is reported at once, nothing is written.
+    from .cycle import load_cycle
 
-    result = update(
-        config=args.config,
-        policy=args.policy,
-        backbone=args.backbone,
-        skill=args.skill,
-        snapshot=args.snapshot,
-        line=args.line,
-    )
-    if result["outcome"] == "idle":
-        print(f"\n{result['model']}: idle: {result['reason']} (champion: {result['champion']})")
-        return 0
-    verdicts = ", ".join(f"{name}: {'pass' if ok else 'reject'}" for name, ok in result["candidates"].items())
+    cfg, pol = load_cycle(args.config, args.policy, args.backbone, args.skill, args.line, args.snapshot)
+    from .platform import PlatformRef
+    from .update import update_parsed
+
+    print_result(update_parsed(cfg, pol, PlatformRef.from_environment()))
+    return 0
+
+
+def print_result(result) -> None:
+    """A flows.cycle.CycleResult as the lines `atlas update` ends with."""
+    import os
+
+    if result.outcome == "idle":
+        print(f"\n{result.model}: idle: {result.reason} (champion: {result.champion})")
+        return
+    verdicts = ", ".join(f"{name}: {'pass' if ok else 'reject'}" for name, ok in result.candidates.items())
     print(
-        f"\n{result['model']}: {'PROMOTED ' + result['champion'] if result['promoted'] else 'not promoted'}"
-        f" (champion before: {result['previous_champion']}, now: {result['champion']})"
+        f"\n{result.model}: {'PROMOTED ' + result.champion if result.promoted else 'not promoted'}"
+        f" (champion before: {result.previous_champion}, now: {result.champion})"
     )
     print(f"candidates: {verdicts or 'none new'}")
-    print(f"report:     {result['report']}")
-    print("time:       " + ", ".join(f"{phase} {sec:.0f} s" for phase, sec in result["seconds"].items()))
+    print(f"report:     {result.report}")
+    print("time:       " + ", ".join(f"{phase} {sec:.0f} s" for phase, sec in result.seconds.items()))
     print(
-        f"MLflow UI:  .venv/bin/mlflow ui --backend-store-uri sqlite:///{result['state']}/mlflow/mlflow.db"
-        if "ATLAS_MLFLOW_TRACKING_URI" not in __import__("os").environ
+        f"MLflow UI:  .venv/bin/mlflow ui --backend-store-uri sqlite:///{result.state}/mlflow/mlflow.db"
+        if "ATLAS_MLFLOW_TRACKING_URI" not in os.environ
         else "MLflow UI:  your tracking server"
     )
-    print(f"details:    atlas status / atlas history / atlas gate --explain VERSION  (--model {result['model']})")
-    return 0
+    print(f"details:    atlas status / atlas history / atlas gate --explain VERSION  (--model {result.model})")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -76,8 +58,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         line=args.line,
         snapshot=args.snapshot,
     )
+    from .cycle import load_cycle
+
     for d in plan:  # every served cycle's files, validated before anything is served
-        _check_cycle_files(**d["parameters"])
+        load_cycle(**d["parameters"])
     serve_update(plan)
     return 0
 
@@ -104,10 +88,11 @@ def _check_gate_inputs(args: argparse.Namespace) -> None:
     """The gate check's files, line and version, validated before Prefect starts (exit 2, one line)."""
     from registry import get_model, model_name_for
 
+    from .cycle import load_cycle
     from .gate_check import candidate_version
     from .platform import open_platform
 
-    cfg = _check_cycle_files(args.config, args.policy, line=args.line)
+    cfg, _ = load_cycle(args.config, args.policy, line=args.line)
     p = open_platform()
     try:
         model = get_model(p.ledger, model_name_for(cfg.backbone, cfg.line_name))
@@ -203,6 +188,7 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     check.add_argument("--line", default=None, help="override the config's release line")
     check.add_argument("--promote", action="store_true", help="make it the champion if it passes")
     check.add_argument("--json", action="store_true")
+    check.set_defaults(func=cmd_gate_check)  # a subcommand's default replaces `gate`'s own
 
     p = sub.add_parser(
         "submit",

@@ -11,9 +11,10 @@ Prefect (sub)flow with parameter validation that can be run and tested alone:
     gate(ctx, candidates)                -> GateOutcome    checks, decisions, selection
     promote(ctx, version_id, reason)     -> ReleaseInfo | None
 
-What a stage computes *with* (the loaded backbone, verified deltas, atlases, KL prefix
-caches) are process resources looked up by these values in flows/runtime.py, keyed by
-content (names, revisions, sha256), never passed between stages.
+What a stage computes *with* (the opened ledger/store/MLflow, the loaded backbone, verified
+deltas, atlases, KL prefix caches) lives in flows/resources.py: `ctx.platform` names where the
+records are, and each stage opens `scope(ctx.platform)` (reused when its caller already has it
+open), so a stage run alone or in another process from these values gives the same record.
 
 A version is applied as its whole chain (atlas_core.chain): every delta from the first
 release to it, attached in order. Retained KL runs from a prefix cache that ends below the
@@ -22,12 +23,13 @@ lowest layer any delta touches, so one cache serves the base, the champion and e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from registry import ModelInfo, VersionInfo
 
 from .config import UpdateConfig
+from .platform import PlatformRef
 from .policy import ReleasePolicy
 from .skills import SkillSpec
 
@@ -74,6 +76,7 @@ class CycleContext:
     base: Applied  # the unmodified backbone's version
     champion: Applied  # the version holding `champion` (the base when nobody does)
     skill: SkillSpec  # what this cycle teaches
+    platform: PlatformRef  # where the ledger, artifact store and MLflow are (flows/resources.py opens them)
     released: tuple[SkillSpec, ...] = ()  # skills of the champion's chain, minus `skill`
     atlases: tuple[AtlasRef, ...] = ()  # filled in by refresh_atlas, one per residual variant
     flow_run_id: Optional[str] = None
@@ -108,3 +111,57 @@ class CycleContext:
             if ref.variant == variant:
                 return ref
         raise KeyError(f"atlas variant {variant!r} was not refreshed this cycle")
+
+
+@dataclass(frozen=True)
+class CycleResult:
+    """What one `update` cycle did: rendered by `atlas update` and the report, returned to Python."""
+
+    model: str  # the line's registered model name
+    outcome: str  # promoted | rejected | not-promoted (another cycle moved champion first) | idle
+    champion: str  # the version holding `champion` after the cycle (the base's name while nobody does)
+    previous_champion: str  # ... and before it
+    state: str  # the state folder the records are in
+    selected: Optional[str] = None  # the candidate the gate selected (also when it lost a race)
+    candidates: dict[str, bool] = field(default_factory=dict)  # candidate -> passed the gate
+    report: Optional[str] = None  # the cycle report's path (None when idle)
+    reason: Optional[str] = None  # why the cycle was idle
+    seconds: dict[str, float] = field(default_factory=dict)  # wall seconds per phase, in order
+    steps: dict[str, float] = field(default_factory=dict)  # seconds per timed step (evaluation.timing)
+
+    @property
+    def promoted(self) -> bool:
+        return self.outcome == "promoted"
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"promoted": self.promoted}
+
+
+def load_cycle(
+    config: str,
+    policy: str,
+    backbone: Optional[str] = None,
+    skill: Optional[str] = None,
+    line: Optional[str] = None,
+    snapshot: Optional[str] = None,
+) -> tuple[UpdateConfig, ReleasePolicy]:
+    """The cycle's config and policy, validated (names the field or file on a mistake)."""
+    from .config import load_update_config
+    from .policy import load_cycle_policy
+    from .skills import resolve_snapshot
+
+    cfg = load_update_config(config, backbone=backbone, skill=skill, line=line)
+    if snapshot is not None:
+        resolve_snapshot(snapshot, "--snapshot")
+        cfg = with_snapshot(cfg, snapshot)
+    return cfg, load_cycle_policy(policy, cfg)
+
+
+def with_snapshot(cfg: UpdateConfig, snapshot: str) -> UpdateConfig:
+    """The config with `--snapshot` as its data source (validated as data.source is)."""
+    from atlas_core.typed_config import ConfigError
+
+    try:
+        return replace(cfg, data=replace(cfg.data, source=snapshot))
+    except ConfigError as e:
+        raise ConfigError(f"--snapshot: {str(e).removeprefix('source: ')}") from None

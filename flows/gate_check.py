@@ -23,12 +23,9 @@ from typing import Optional
 from prefect import flow
 
 from atlas_core.errors import InputError
+from registry import GateCheckRecord
 
-from .platform import DEFAULT_CONFIG, DEFAULT_POLICY, configure_environment
-
-configure_environment()
-
-from registry import GateCheckRecord  # noqa: E402 (after the environment is set)
+from .platform import DEFAULT_CONFIG, DEFAULT_POLICY, PlatformRef
 
 
 @dataclass(frozen=True)
@@ -86,35 +83,37 @@ def gate_candidate(
 
     from .config import load_update_config
     from .evaluate import evaluate_candidate, record_base
+    from .lineage import resolve_lineage
     from .policy import load_cycle_policy
     from .release import gate
     from .release import promote as promote_flow
-    from .runtime import ledger, resolve_applied, session
-    from .update import _Clock, publish_report, resolve_lineage
+    from .resources import scope
+    from .update import _Clock, publish_report
 
-    cfg = load_update_config(config, line=line)
-    with session():
-        clock = _Clock()
-        ctx = resolve_lineage(cfg, load_cycle_policy(policy, cfg), flow_run.id)
-        v = candidate_version(ledger(), ctx.model.id, version, ctx.skill.name)
-        ctx = replace(ctx, lowest_candidate_layer=resolve_applied(v).lowest_layer)
+    cfg, platform = load_update_config(config, line=line), PlatformRef.from_environment()
+    with scope(platform) as res:
+        db, clock = res.ledger, _Clock()
+        ctx = resolve_lineage(cfg, load_cycle_policy(policy, cfg), platform, flow_run.id)
+        v = candidate_version(db, ctx.model.id, version, ctx.skill.name)
+        ctx = replace(ctx, lowest_candidate_layer=res.resolve_applied(v).lowest_layer)
         clock.lap("lineage (backbone, ledger, champion chain)")
         m = evaluate_candidate(ctx, v.id)
         record_base(ctx)
         clock.lap(f"evaluate {v.name}")
         outcome = gate(ctx, [m])
-        if outcome.verdict(v.id) and "skill" not in training_run_config(ledger(), v.training_run_id):
+        if outcome.verdict(v.id) and "skill" not in training_run_config(db, v.training_run_id):
             # a submitted run: the skill spec it passed with, which later cycles keep as released
-            complete_run_config(ledger(), v.training_run_id, "skill", ctx.skill.to_dict())
+            complete_run_config(db, v.training_run_id, "skill", ctx.skill.to_dict())
         release = None
         if promote and outcome.selected is not None:
             release = promote_flow(
+                platform,
                 v.id,
                 f"gate {ctx.policy.label} passed (atlas gate check) on top of {ctx.champion.version.name}",
                 ctx.flow_run_id,
             )
         report = publish_report(ctx, [m], outcome, release, clock.phases, {})
-        champion = alias_holder(ledger(), ctx.model.id) or ctx.base.version
+        champion = alias_holder(db, ctx.model.id) or ctx.base.version
         return GateCheckResult(
             ctx.model.name,
             v.name,

@@ -8,111 +8,20 @@ Every check carries its threshold and measured value so the ledger can show exac
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from numbers import Integral
 from typing import Optional
 
-from evaluation.stats import clopper_pearson_upper, is_count, mcnemar_exact_p, t_upper
+from evaluation.stats import is_count, mcnemar_exact_p
 from registry import GateCheckRecord
 
-from .kl_tail import KLTail, MovedContext
+from .metrics import CandidateMetrics, Regression, finite
 from .policy import ANSWERED, CONTINUOUS, PASS_FAIL, RELEASED, NoRegression, ReleasePolicy
 
 KL_TOLERANCE = 1e-6  # KL is >= 0 in exact arithmetic; fp32 rounding can dip a hair below
 
-
-@dataclass(frozen=True)
-class Flips:
-    """Answer flips on one domain against a reference model (see evaluation.churn)."""
-
-    n: int
-    F: int
-    G: int
-    W: int
-
-    @property
-    def churn(self) -> float:
-        return (self.F + self.G + self.W) / self.n if self.n else math.nan
-
-
-def regression_kind(scorer) -> str:
-    """PASS_FAIL for a 'sum' scorer (its per-problem values are 1 solved / 0 not: evaluation/
-    scorer_base.py), CONTINUOUS for a 'mean' one (e.g. reference-nll's nats/token)."""
-    return PASS_FAIL if scorer.aggregate == "sum" else CONTINUOUS
-
-
-@dataclass(frozen=True)
-class Regression:
-    """A released skill's score, candidate against champion, problem by problem (spec: no-regression).
-
-    Over the n shared problems, drop = champion's value - candidate's value, signed so that > 0
-    is worse. `mean_drop` / `sd_drop`: its mean and SAMPLE standard deviation (None below 2).
-    Pass/fail skills also carry the exact paired counts: `lost` (champion solved, candidate not)
-    and `gained` (the reverse); the gate judges them by the Clopper-Pearson bound of lost/n.
-
-    Evaluations stored by older code hold only the first five fields: they still load, with
-    `kind` None, and are re-judged fail closed (the gate rejects them; `stored_metrics` treats
-    them as not stored, so a cycle measures them again from the stored answers)."""
-
-    n: int
-    champion_score: Optional[float]
-    score: Optional[float]
-    mean_drop: Optional[float]
-    sd_drop: Optional[float]
-    kind: Optional[str] = None  # PASS_FAIL | CONTINUOUS; None: stored before the exact counts were
-    lost: Optional[int] = None
-    gained: Optional[int] = None
-
-    def upper(self, confidence: float) -> float:
-        """One-sided upper bound of the loss: pass/fail: Clopper-Pearson of lost/n; continuous:
-        Student t of the mean drop. NaN when it cannot be computed (fail closed)."""
-        if self.kind == PASS_FAIL:
-            return clopper_pearson_upper(self.lost, self.n, confidence)
-        if self.kind == CONTINUOUS and self.mean_drop is not None and self.sd_drop is not None:
-            return t_upper(self.mean_drop, self.sd_drop, self.n, confidence)
-        return math.nan
-
-
-@dataclass
-class CandidateMetrics:
-    """What the gate reads about one candidate; any value may be None (not measured) or NaN."""
-
-    version_id: int
-    name: str
-    method: str
-    seed: int
-    epoch: int
-    step: int
-    target_solved: Optional[int]
-    target_total: int
-    champion_solved: Optional[int]
-    kl_vs_base: dict[str, Optional[float]] = field(default_factory=dict)
-    kl_vs_champion: dict[str, Optional[float]] = field(default_factory=dict)
-    flips_vs_base: dict[str, Flips] = field(default_factory=dict)
-    flips_vs_champion: dict[str, Flips] = field(default_factory=dict)
-    csqa_choice_churn: Optional[float] = None
-    released: dict[str, Regression] = field(default_factory=dict)  # released skill -> its score vs the champion
-    evaluation_id: Optional[int] = None
-    # The scorer's own aggregate (solved count, or e.g. reference-nll's mean NLL) and direction.
-    target_score: Optional[float] = None
-    champion_score: Optional[float] = None
-    higher_is_better: bool = True
-    # Per-context retained KL beyond the mean (flows/kl_tail.py), "vs_champion" / "vs_base" -> member -> its
-    # tail, and the contexts that moved most. Empty when stored by older code: a tail limit then fails closed.
-    kl_tail: dict[str, dict[str, KLTail]] = field(default_factory=dict)
-    kl_top_contexts: dict[str, dict[str, list[MovedContext]]] = field(default_factory=dict)
-    # The champion's flips against itself re-decoded in another batching, per answered domain (flows/noise_floor.py).
-    flips_floor: dict[str, Flips] = field(default_factory=dict)
-
-    def mean_kl(self, which: str) -> float:
-        values = list(getattr(self, which).values())
-        if not values or any(not _finite(v) for v in values):
-            return math.inf
-        return sum(values) / len(values)
-
-
-def _finite(value) -> bool:
-    return value is not None and isinstance(value, (int, float)) and math.isfinite(value)
+# `Flips` (registry.Flips) is the one flip record; its rates are None when n = 0, which every check
+# here reads as not measured (fail closed).
 
 
 def _upper_check(
@@ -120,14 +29,32 @@ def _upper_check(
 ) -> GateCheckRecord:
     """measured <= threshold, with missing / non-finite / impossible values failing."""
     if measured is None:
-        return GateCheckRecord(name, threshold, None, False, f"missing: not measured {detail}".strip())
+        return GateCheckRecord(
+            name=name,
+            threshold=threshold,
+            measured=None,
+            passed=False,
+            detail=f"missing: not measured {detail}".strip(),
+        )
     if not math.isfinite(measured):
-        return GateCheckRecord(name, threshold, float(measured), False, f"not finite {detail}".strip())
+        return GateCheckRecord(
+            name=name,
+            threshold=threshold,
+            measured=float(measured),
+            passed=False,
+            detail=f"not finite {detail}".strip(),
+        )
     if not low <= measured <= high:
         return GateCheckRecord(
-            name, threshold, float(measured), False, f"out of range [{low}, {high}] {detail}".strip()
+            name=name,
+            threshold=threshold,
+            measured=float(measured),
+            passed=False,
+            detail=f"out of range [{low}, {high}] {detail}".strip(),
         )
-    return GateCheckRecord(name, threshold, float(measured), measured <= threshold, detail)
+    return GateCheckRecord(
+        name=name, threshold=threshold, measured=float(measured), passed=measured <= threshold, detail=detail
+    )
 
 
 def target_check(c: CandidateMetrics, policy: ReleasePolicy) -> GateCheckRecord:
@@ -141,26 +68,39 @@ def target_check(c: CandidateMetrics, policy: ReleasePolicy) -> GateCheckRecord:
             champion_score=None if c.champion_solved is None else float(c.champion_solved),
         )
     if c.target_score is None or c.champion_score is None:
-        return GateCheckRecord(name, need, None, False, "missing: target score of candidate or champion not measured")
+        return GateCheckRecord(
+            name=name,
+            threshold=need,
+            measured=None,
+            passed=False,
+            detail="missing: target score of candidate or champion not measured",
+        )
     if not (math.isfinite(c.target_score) and math.isfinite(c.champion_score)):
-        return GateCheckRecord(name, need, math.nan, False, "not finite: target score of candidate or champion")
+        return GateCheckRecord(
+            name=name,
+            threshold=need,
+            measured=math.nan,
+            passed=False,
+            detail="not finite: target score of candidate or champion",
+        )
     for who, solved in (("candidate", c.target_solved), ("champion", c.champion_solved)):
         if solved is not None and not (isinstance(solved, Integral) and 0 <= solved <= c.target_total):
             return GateCheckRecord(
-                name,
-                need,
-                float(c.target_score - c.champion_score),
-                False,
-                f"out of range: {who} solved {solved} of {c.target_total}",
+                name=name,
+                threshold=need,
+                measured=float(c.target_score - c.champion_score),
+                passed=False,
+                detail=f"out of range: {who} solved {solved} of {c.target_total}",
             )
     gain = (c.target_score - c.champion_score) * (1 if c.higher_is_better else -1)
     unit = "" if c.higher_is_better else " (lower is better)"
     return GateCheckRecord(
-        name,
-        need,
-        float(gain),
-        gain >= need,
-        f"score {c.target_score:g} vs champion {c.champion_score:g}{unit}; solved {c.target_solved}/{c.target_total}",
+        name=name,
+        threshold=need,
+        measured=float(gain),
+        passed=gain >= need,
+        detail=f"score {c.target_score:g} vs champion {c.champion_score:g}{unit}; "
+        f"solved {c.target_solved}/{c.target_total}",
     )
 
 
@@ -233,7 +173,7 @@ def kl_tail_checks(
 
 
 def _num(v) -> str:
-    return f"{v:g}" if _finite(v) else str(v)
+    return f"{v:g}" if finite(v) else str(v)
 
 
 def regression_check(name: str, r: Regression, limits: NoRegression) -> GateCheckRecord:
@@ -243,19 +183,29 @@ def regression_check(name: str, r: Regression, limits: NoRegression) -> GateChec
     tol, conf = limits.tolerance, limits.confidence
     if r.kind not in (PASS_FAIL, CONTINUOUS):
         return GateCheckRecord(
-            name,
-            tol,
-            None,
-            False,
-            "missing: stored without the exact paired counts (evaluated by an older version); evaluate it again",
+            name=name,
+            threshold=tol,
+            measured=None,
+            passed=False,
+            detail="missing: stored without the exact paired counts (evaluated by an older version); evaluate it again",
         )
     if not is_count(r.n) or r.n <= 0:
-        return GateCheckRecord(name, tol, None, False, f"missing: no shared problems scored (n={r.n})")
+        return GateCheckRecord(
+            name=name,
+            threshold=tol,
+            measured=None,
+            passed=False,
+            detail=f"missing: no shared problems scored (n={r.n})",
+        )
     scores = f"score {_num(r.score)} vs champion {_num(r.champion_score)}"
     if r.kind == PASS_FAIL:
         if not (is_count(r.lost) and is_count(r.gained) and r.lost >= 0 and r.gained >= 0 and r.lost + r.gained <= r.n):
             return GateCheckRecord(
-                name, tol, math.nan, False, f"out of range: lost={r.lost}, gained={r.gained} of n={r.n}"
+                name=name,
+                threshold=tol,
+                measured=math.nan,
+                passed=False,
+                detail=f"out of range: lost={r.lost}, gained={r.gained} of n={r.n}",
             )
         detail = (
             f"Clopper-Pearson {conf:.0%} upper bound of the share lost; lost {r.lost}, gained {r.gained} "
@@ -271,7 +221,13 @@ def regression_check(name: str, r: Regression, limits: NoRegression) -> GateChec
     upper = r.upper(conf)
     unprovable = limits.infeasible(r.kind, r.n)
     if unprovable:
-        return GateCheckRecord(name, tol, upper if math.isfinite(upper) else None, False, f"{unprovable}; {detail}")
+        return GateCheckRecord(
+            name=name,
+            threshold=tol,
+            measured=upper if math.isfinite(upper) else None,
+            passed=False,
+            detail=f"{unprovable}; {detail}",
+        )
     return _upper_check(name, tol, upper, low, high, detail)
 
 
@@ -283,7 +239,15 @@ def no_regression_checks(c: CandidateMetrics, policy: ReleasePolicy) -> list[Gat
         limits = policy.no_regression.get(skill, policy.no_regression.get(RELEASED))
         name = f"no_regression[{skill}]"
         if limits is None:
-            out.append(GateCheckRecord(name, math.nan, None, False, "missing: the policy sets no tolerance for it"))
+            out.append(
+                GateCheckRecord(
+                    name=name,
+                    threshold=math.nan,
+                    measured=None,
+                    passed=False,
+                    detail="missing: the policy sets no tolerance for it",
+                )
+            )
             continue
         out.append(regression_check(name, r, limits))
     return out
@@ -299,11 +263,23 @@ def nfr_checks(
         for domain, limit in _watched(limits, answered):
             flips = getattr(c, f"flips_{which}").get(domain)
             name = f"nfr_upper_{which}[{domain}]"
-            if flips is None or flips.n <= 0:
-                out.append(GateCheckRecord(name, limit, None, False, "missing: no answers to compare"))
+            if flips is None or flips.nfr is None:  # n = 0: nothing compared, no rate (fail closed)
+                out.append(
+                    GateCheckRecord(
+                        name=name, threshold=limit, measured=None, passed=False, detail="missing: no answers to compare"
+                    )
+                )
                 continue
             if not 0 <= flips.F <= flips.n or flips.F + flips.G + flips.W > flips.n:
-                out.append(GateCheckRecord(name, limit, math.nan, False, f"out of range: F={flips.F} of n={flips.n}"))
+                out.append(
+                    GateCheckRecord(
+                        name=name,
+                        threshold=limit,
+                        measured=math.nan,
+                        passed=False,
+                        detail=f"out of range: F={flips.F} of n={flips.n}",
+                    )
+                )
                 continue
             detail = f"{label}; F={flips.F}/{flips.n} (observed NFR {flips.F / flips.n:.3f})"
             counted = flips.F
@@ -317,11 +293,11 @@ def nfr_checks(
                 elif nfr.above_floor:
                     out.append(
                         GateCheckRecord(
-                            name,
-                            limit,
-                            None,
-                            False,
-                            "missing: the noise floor was not measured on these questions (nfr.above_floor)",
+                            name=name,
+                            threshold=limit,
+                            measured=None,
+                            passed=False,
+                            detail="missing: the noise floor was not measured on these questions (nfr.above_floor)",
                         )
                     )
                     continue
@@ -355,7 +331,11 @@ def finite_check(c: CandidateMetrics) -> GateCheckRecord:
     values |= {f"kl_vs_champion[{d}]": v for d, v in c.kl_vs_champion.items()}
     bad = sorted(k for k, v in values.items() if v is not None and not math.isfinite(v))
     return GateCheckRecord(
-        "all_metrics_finite", 0.0, float(len(bad)), not bad, f"non-finite: {', '.join(bad)}" if bad else "no NaN/inf"
+        name="all_metrics_finite",
+        threshold=0.0,
+        measured=float(len(bad)),
+        passed=not bad,
+        detail=f"non-finite: {', '.join(bad)}" if bad else "no NaN/inf",
     )
 
 
@@ -378,7 +358,15 @@ def run_checks(
         try:
             out += checks()
         except Exception as e:  # fail closed, with the reason recorded
-            out.append(GateCheckRecord(name, None, None, False, f"could not be computed: {type(e).__name__}: {e}"))
+            out.append(
+                GateCheckRecord(
+                    name=name,
+                    threshold=None,
+                    measured=None,
+                    passed=False,
+                    detail=f"could not be computed: {type(e).__name__}: {e}",
+                )
+            )
     return out
 
 

@@ -40,14 +40,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from statistics import fmean
+from types import MappingProxyType
 from typing import Optional
 
 SOLVED, LOSS, MEAN = "solved", "loss", "mean"  # the kinds of skill score (see above)
-UNITS = {
-    SOLVED: "share of problems solved",
-    LOSS: "mean loss (e.g. reference NLL, nats/token; lower is better)",
-    MEAN: "mean score",
-}
+UNITS = MappingProxyType(
+    {
+        SOLVED: "share of problems solved",
+        LOSS: "mean loss (e.g. reference NLL, nats/token; lower is better)",
+        MEAN: "mean score",
+    }
+)
 
 Row = list[Optional[float]]
 Panel = tuple[str, str, dict[str, Row]]  # (title, y label, series label -> a value per release t)
@@ -237,11 +240,11 @@ def line_history(ledger, model_id: int, version_id: int) -> LineHistory:
         kl_teacher.append(dict(evaluation_extra(ledger, ev.id).get("kl_vs_teacher", {})) if ev else {})
     parents = ["-"] + [get_version(ledger, v.parent_id).name for v in chain]
     return LineHistory(
-        [v.name for v in versions],
-        parents,
-        [v.skill for v in chain],
-        [kind_of(s) if s is not None else SOLVED for s in scorers],
-        scores,
-        kl,
-        kl_teacher,
+        releases=[v.name for v in versions],
+        parents=parents,
+        skills=[v.skill for v in chain],
+        kinds=[kind_of(s) if s is not None else SOLVED for s in scorers],
+        scores=scores,
+        kl_vs_base=kl,
+        kl_vs_teacher=kl_teacher,
     )

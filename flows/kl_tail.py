@@ -1,6 +1,6 @@
 """The tail of retained KL over a member's contexts, beyond its mean, and the contexts that moved most.
 
-A member's retained KL (flows/runtime.py: retained_kl) is the mean over all its tokens; a
+A member's retained KL (flows/resources.py: Resources.retained_kl) is the mean over all its tokens; a
 candidate that leaves most contexts alone and wrecks a few can pass a mean limit. The gate
 can also bound the p95, p99 and max of the per-context values (flows/gates.py: kl_tail_checks),
 and the report and the candidate's MLflow run list the contexts that moved most, with their
@@ -18,12 +18,13 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 from typing import Optional
 
 import numpy as np
 
 AGAINST = ("vs_champion", "vs_base")
-QUANTILES = {"p95": 0.95, "p99": 0.99}
+QUANTILES = MappingProxyType({"p95": 0.95, "p99": 0.99})
 STATISTICS = (*QUANTILES, "max")  # what a policy may limit; the fields of KLTail
 TOP_K = 5  # contexts listed per (reference, member)
 SNIPPET_CHARS = 100
@@ -42,7 +43,7 @@ class KLTail:
 @dataclass(frozen=True)
 class MovedContext:
     """One of the contexts that moved most: its index into the member's gate contexts
-    (flows.runtime.gate_texts, in that order), its KL (nats/token) and its text's beginning."""
+    (Resources.gate_texts, in that order), its KL (nats/token) and its text's beginning."""
 
     index: int
     kl: Optional[float]

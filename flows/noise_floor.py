@@ -23,9 +23,12 @@ noise), so it is off by default.
 
 from __future__ import annotations
 
+from registry import Flips
+
+from .answers import answer_sets, flips, version_answers
 from .cycle import CycleContext
-from .gates import Flips
 from .policy import ANSWERED
+from .resources import Resources
 
 
 def floor_batch(configured: int) -> int:
@@ -33,15 +36,14 @@ def floor_batch(configured: int) -> int:
     return configured // 2 if configured > 1 else 2
 
 
-def flip_floor(ctx: CycleContext, champion_answers: dict) -> dict[str, Flips]:
+def flip_floor(res: Resources, ctx: CycleContext, champion_answers: dict) -> dict[str, Flips]:
     """Per answered domain the cycle watches: the champion's flips (its answers in the gate's
     batching, `champion_answers`: kind -> answers) against its own answers decoded again in another
     batching (stored in the ledger: generated once per champion)."""
-    from .evaluate import answer_sets, flips, version_answers
 
     r = ctx.config.retained
     configured = {"gsm8k": r.generation_batch_size, "csqa": r.batch_size}
-    datasets = answer_sets(ctx)
+    datasets = answer_sets(res, ctx)
     out = {}
     for kind in (k for k in ANSWERED if k in champion_answers):
         usual, batch = champion_answers[kind], floor_batch(configured[kind])

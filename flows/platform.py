@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from atlas_core.paths import state_dir
 
@@ -68,25 +69,52 @@ def _hide_password(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
-def mlflow_config(state: Path):
+@dataclass(frozen=True)
+class PlatformRef:
+    """Where a cycle's records live, as plain values: what a stage needs to open the same platform
+    in another process (flows/resources.py). None means the embedded default under `state`."""
+
+    state: str
+    ledger_url: Optional[str] = None  # ATLAS_LEDGER_URL; None: <state>/ledger.db (SQLite)
+    artifact_store: Optional[str] = None  # ATLAS_ARTIFACT_STORE; None: <state>/artifacts
+    mlflow_tracking_uri: Optional[str] = None  # ATLAS_MLFLOW_TRACKING_URI; None: <state>/mlflow (SQLite)
+    mlflow_artifact_root: str = "mlflow-artifacts:/atlas"  # with a tracking server only
+
+    @classmethod
+    def from_environment(cls) -> "PlatformRef":
+        env = os.environ.get
+        return cls(
+            str(state_dir()),
+            env("ATLAS_LEDGER_URL") or None,
+            env("ATLAS_ARTIFACT_STORE") or None,
+            env("ATLAS_MLFLOW_TRACKING_URI") or None,
+            env("ATLAS_MLFLOW_ARTIFACT_ROOT") or "mlflow-artifacts:/atlas",
+        )
+
+
+def mlflow_config(state: Path, ref: Optional[PlatformRef] = None):
     from registry import MlflowConfig
 
-    url = os.environ.get("ATLAS_MLFLOW_TRACKING_URI")
-    if url:
-        return MlflowConfig.server(url, os.environ.get("ATLAS_MLFLOW_ARTIFACT_ROOT", "mlflow-artifacts:/atlas"))
+    ref = ref or PlatformRef.from_environment()
+    if ref.mlflow_tracking_uri:
+        return MlflowConfig.server(ref.mlflow_tracking_uri, ref.mlflow_artifact_root)
     return MlflowConfig.local(state)
 
 
-def open_platform() -> Platform:
-    """Open (creating or migrating as needed) the ledger, the store and the MLflow bridge."""
+def open_platform(ref: Optional[PlatformRef] = None) -> Platform:
+    """Open (creating or migrating as needed) the ledger, the store and the MLflow bridge of `ref`
+    (default: the environment's, PlatformRef.from_environment)."""
     from registry import ArtifactStore, MlflowBridge, default_ledger_url, init_db
 
-    state = configure_environment()
-    config = mlflow_config(state)
+    configure_environment()
+    ref = ref or PlatformRef.from_environment()
+    state = Path(ref.state)
+    state.mkdir(parents=True, exist_ok=True)
+    config = mlflow_config(state, ref)
     # MLflow's global default is ./mlruns or ./mlflow.db in the working folder; pin it so
     # that nothing (plugins, artifact helpers) ever writes there.
     os.environ["MLFLOW_TRACKING_URI"] = config.tracking_uri
     os.environ["MLFLOW_REGISTRY_URI"] = config.registry_uri or config.tracking_uri
-    ledger = init_db(os.environ.get("ATLAS_LEDGER_URL") or default_ledger_url(state))
-    store = ArtifactStore(os.environ.get("ATLAS_ARTIFACT_STORE") or state / "artifacts")
+    ledger = init_db(ref.ledger_url or default_ledger_url(state))
+    store = ArtifactStore(ref.artifact_store or state / "artifacts")
     return Platform(state, ledger, store, MlflowBridge(config))

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .config import UpdateConfig
 
 BOUNDS = RATE_BOUNDS
-PASS_FAIL, CONTINUOUS = "pass-fail", "continuous"  # kinds of released-skill scorers (flows/gates.py: Regression)
+PASS_FAIL, CONTINUOUS = "pass-fail", "continuous"  # kinds of released-skill scorers (flows/metrics.py: Regression)
 RELEASED = "released"  # key of the thresholds that apply to every released skill not named itself
 # Retained domains whose questions are answered (churn, NFR); others are KL-only.
 ANSWERED = ("gsm8k", "csqa")

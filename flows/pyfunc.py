@@ -15,16 +15,19 @@ ATLAS_VERIFY_BACKBONE=0 (a manifest that names no backbone weights) are the expl
 from __future__ import annotations
 
 import os
+from types import MappingProxyType
 
 import mlflow.pyfunc
 
-SAMPLING_PARAMS = {
-    "max_new_tokens": ("long", 256),
-    "temperature": ("double", 0.0),
-    "top_p": ("double", 1.0),
-    "top_k": ("long", 0),
-    "seed": ("long", -1),
-}  # seed -1: none
+SAMPLING_PARAMS = MappingProxyType(
+    {
+        "max_new_tokens": ("long", 256),
+        "temperature": ("double", 0.0),
+        "top_p": ("double", 1.0),
+        "top_k": ("long", 0),
+        "seed": ("long", -1),  # -1: none
+    }
+)
 
 
 class ReleaseModel(mlflow.pyfunc.PythonModel):

@@ -21,17 +21,18 @@ from prefect.cache_policies import NO_CACHE
 
 from .config import AtlasSpec, digest
 from .cycle import AtlasRef, CycleContext
+from .platform import PlatformRef
+from .resources import scope
 from .retries import transient_only
 
 
-def atlas_plan(ctx: CycleContext, variant: str) -> dict:
+def atlas_plan(ctx: CycleContext, variant: str, tokenizer) -> dict:
     """What the atlas is a function of (hashed into its content hash)."""
     from .retained import calibration_rows, member_data, share_examples
 
     spec, members, bb = ctx.config.atlas, ctx.members, ctx.backbone
-    examples = share_examples(
-        math.ceil(spec.num_vectors / spec.per_example), {m: calibration_rows(ctx, m) for m in members}
-    )
+    rows = {m: calibration_rows(ctx, m, tokenizer) for m in members}
+    examples = share_examples(math.ceil(spec.num_vectors / spec.per_example), rows)
     return {
         "backbone": bb.name,
         "revision": bb.revision,
@@ -45,17 +46,16 @@ def atlas_plan(ctx: CycleContext, variant: str) -> dict:
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
-def find_stored_atlas(variant: str, content_hash: str) -> Optional[AtlasRef]:
+def find_stored_atlas(platform: PlatformRef, variant: str, content_hash: str) -> Optional[AtlasRef]:
     """The recorded atlas with this hash, fetched and verified, or None."""
     from registry import find_atlas
 
-    from .runtime import atlas_file, fetch_verified, ledger
-
-    info = find_atlas(ledger(), content_hash)
-    if info is None:
-        return None
-    path = fetch_verified(info.artifact_sha256, info.config["manifest_sha256"], "atlas")
-    return AtlasRef(variant, info.id, atlas_file(str(path)).sha256, content_hash, str(path))
+    with scope(platform) as res:
+        info = find_atlas(res.ledger, content_hash)
+        if info is None:
+            return None
+        path = res.fetch_verified(info.artifact_sha256, info.config["manifest_sha256"], "atlas")
+        return AtlasRef(variant, info.id, res.atlas_file(str(path)).sha256, content_hash, str(path))
 
 
 @task(cache_policy=NO_CACHE)
@@ -64,19 +64,22 @@ def extract_calibration(ctx: CycleContext, plan: dict) -> torch.Tensor:
     from atlas_core.extract import sample_activations
 
     from .retained import calibration_texts
-    from .runtime import applied_on, backbone
 
-    spec, tokenizer = ctx.config.atlas, backbone(ctx.backbone).tokenizer
-    texts = [t for member, info in plan["data"].items() for t in calibration_texts(ctx, member, info["examples"])]
-    with applied_on(ctx, ctx.champion) as model:
-        return sample_activations(model, tokenizer, texts, ctx.layer, spec.num_vectors, spec.per_example, spec.seed)
+    with scope(ctx.platform) as res:
+        spec, tokenizer = ctx.config.atlas, res.backbone(ctx.backbone).tokenizer
+        texts = [
+            t
+            for member, info in plan["data"].items()
+            for t in calibration_texts(ctx, member, info["examples"], tokenizer)
+        ]
+        with res.applied_on(ctx, ctx.champion) as model:
+            return sample_activations(model, tokenizer, texts, ctx.layer, spec.num_vectors, spec.per_example, spec.seed)
 
 
 @task(cache_policy=NO_CACHE)
-def fit_and_save(spec: AtlasSpec, x: torch.Tensor, plan: dict, content_hash: str) -> Path:
+def fit_and_save(state: Path, spec: AtlasSpec, x: torch.Tensor, plan: dict, content_hash: str) -> Path:
+    """The fitted atlas, saved under <state>/atlases."""
     from atlas_core.atlas import AtlasConfig, fit_atlas
-
-    from .runtime import platform
 
     config = AtlasConfig(
         num_charts=spec.charts,
@@ -87,28 +90,28 @@ def fit_and_save(spec: AtlasSpec, x: torch.Tensor, plan: dict, content_hash: str
         seed=spec.seed,
     )
     atlas = fit_atlas(x, config, meta={**plan, "content_hash": content_hash})
-    path = platform().state / "atlases" / f"{content_hash[:16]}-{plan['variant']}.safetensors"
+    path = Path(state) / "atlases" / f"{content_hash[:16]}-{plan['variant']}.safetensors"
     atlas.save(path)
     return path
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
-def store_and_record(backbone_id: int, layer: int, path: Path, plan: dict, content_hash: str) -> AtlasRef:
+def store_and_record(
+    platform: PlatformRef, backbone_id: int, layer: int, path: Path, plan: dict, content_hash: str
+) -> AtlasRef:
     """Put the atlas and its manifest in the store, then record it (idempotent by content hash)."""
     from registry import ensure_dataset, record_atlas
 
-    from .runtime import atlas_file, ledger, platform
-
-    store = platform().store
-    artifact, manifest = store.put_file(path), store.put_file(path.with_suffix(".json"))
-    datasets = [
-        ensure_dataset(ledger(), info.get("dataset", m), "calibration", info["sha256"])
-        for m, info in plan["data"].items()
-    ]
-    info = record_atlas(
-        ledger(), content_hash, backbone_id, layer, {**plan, "manifest_sha256": manifest.sha256}, artifact, datasets
-    )
-    return AtlasRef(plan["variant"], info.id, atlas_file(str(path)).sha256, content_hash, str(path))
+    with scope(platform) as res:
+        store, db = res.platform.store, res.ledger
+        artifact, manifest = store.put_file(path), store.put_file(path.with_suffix(".json"))
+        datasets = [
+            ensure_dataset(db, info.get("dataset", m), "calibration", info["sha256"])
+            for m, info in plan["data"].items()
+        ]
+        config = {**plan, "manifest_sha256": manifest.sha256}
+        info = record_atlas(db, content_hash, backbone_id, layer, config, artifact, datasets)
+        return AtlasRef(plan["variant"], info.id, res.atlas_file(str(path)).sha256, content_hash, str(path))
 
 
 @flow(name="refresh_atlas", validate_parameters=True)
@@ -116,13 +119,15 @@ def refresh_atlas(ctx: CycleContext, variant: str = "local") -> AtlasRef:
     """The atlas of this backbone x layer x champion x retained data x config: reused when stored,
     else fitted on the champion's activations."""
     log = get_run_logger()
-    plan = atlas_plan(ctx, variant)
-    content_hash = digest(plan)
-    found = find_stored_atlas(variant, content_hash)
-    if found is None:
-        path = fit_and_save(ctx.config.atlas, extract_calibration(ctx, plan), plan, content_hash)
-        found = store_and_record(ctx.backbone.ledger_id, ctx.layer, path, plan, content_hash)
-        log.info(f"atlas {variant}: fitted and stored (content hash {content_hash[:12]})")
-    else:
-        log.info(f"atlas {variant}: reused stored atlas {found.atlas_id} (content hash {content_hash[:12]})")
-    return found
+    with scope(ctx.platform) as res:
+        plan = atlas_plan(ctx, variant, res.backbone(ctx.backbone).tokenizer)
+        content_hash = digest(plan)
+        found = find_stored_atlas(ctx.platform, variant, content_hash)
+        if found is None:
+            x = extract_calibration(ctx, plan)
+            path = fit_and_save(str(res.state), ctx.config.atlas, x, plan, content_hash)
+            found = store_and_record(ctx.platform, ctx.backbone.ledger_id, ctx.layer, path, plan, content_hash)
+            log.info(f"atlas {variant}: fitted and stored (content hash {content_hash[:12]})")
+        else:
+            log.info(f"atlas {variant}: reused stored atlas {found.atlas_id} (content hash {content_hash[:12]})")
+        return found

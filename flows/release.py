@@ -20,7 +20,10 @@ from evaluation.timing import phase
 from registry import GateCheckRecord, ReleaseInfo
 
 from .cycle import CycleContext
-from .gates import CandidateMetrics, passed, run_checks, select
+from .gates import passed, run_checks, select
+from .metrics import CandidateMetrics
+from .platform import PlatformRef
+from .resources import scope
 from .retries import transient_only
 
 
@@ -39,11 +42,14 @@ class GateOutcome:
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
 def record_decision(ctx: CycleContext, m: CandidateMetrics, checks: list[GateCheckRecord]) -> int:
     """Record the verdict, unless this exact decision (evaluation, champion, policy) is already recorded."""
+    with scope(ctx.platform) as res:
+        return _record_decision(res.ledger, ctx, m, checks)
+
+
+def _record_decision(db, ctx: CycleContext, m: CandidateMetrics, checks: list[GateCheckRecord]) -> int:
     from registry import latest_gate_decision, record_gate_decision
 
-    from .runtime import ledger
-
-    last, policy = latest_gate_decision(ledger(), m.version_id), ctx.policy
+    last, policy = latest_gate_decision(db, m.version_id), ctx.policy
     if (
         last is not None
         and last.evaluation_id == m.evaluation_id
@@ -53,7 +59,7 @@ def record_decision(ctx: CycleContext, m: CandidateMetrics, checks: list[GateChe
     ):
         return last.id
     info = record_gate_decision(
-        ledger(),
+        db,
         m.version_id,
         policy.label,
         policy.to_dict() | {"hash": policy.hash},
@@ -66,15 +72,14 @@ def record_decision(ctx: CycleContext, m: CandidateMetrics, checks: list[GateChe
 
 
 @task(cache_policy=NO_CACHE, retries=3, retry_delay_seconds=3, retry_condition_fn=transient_only)
-def publish(version_id: int) -> str:
+def publish(platform: PlatformRef, version_id: int) -> str:
     """The version as an MLflow pyfunc model version (created once) with its current gate verdict as tags."""
     from registry import publish_version, sync_version_tags
 
     from .pyfunc import pyfunc_model
-    from .runtime import platform
 
-    p = platform()
-    with phase("publish (MLflow model versions)"):
+    with scope(platform) as res, phase("publish (MLflow model versions)"):
+        p = res.platform
         number = publish_version(p.ledger, p.store, p.bridge, version_id, pyfunc_model())
         sync_version_tags(p.ledger, p.bridge, version_id)
     return number
@@ -91,29 +96,30 @@ def gate(ctx: CycleContext, candidates: list[CandidateMetrics]) -> GateOutcome:
         decisions[m.version_id] = record_decision(ctx, m, checks[m.version_id])
         failed = [c.name for c in checks[m.version_id] if not c.passed]
         log.info(f"{m.name}: {'PASS' if not failed else 'REJECT (' + ', '.join(failed) + ')'}")
-        publish(m.version_id)
+        publish(ctx.platform, m.version_id)
     selected = select(candidates, {v: passed(c) for v, c in checks.items()}, ctx.policy)
     return GateOutcome(checks, decisions, selected)
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
-def move_champion(version_id: int, reason: str, flow_run_id: Optional[str]) -> ReleaseInfo:
+def move_champion(platform: PlatformRef, version_id: int, reason: str, flow_run_id: Optional[str]) -> ReleaseInfo:
     from registry import promote as registry_promote
 
-    from .runtime import platform
-
-    p = platform()
-    return registry_promote(p.ledger, p.bridge, version_id, reason=reason, flow_run_id=flow_run_id)
+    with scope(platform) as res:
+        p = res.platform
+        return registry_promote(p.ledger, p.bridge, version_id, reason=reason, flow_run_id=flow_run_id)
 
 
 @flow(name="promote", validate_parameters=True)
-def promote(version_id: int, reason: str, flow_run_id: Optional[str] = None) -> Optional[ReleaseInfo]:
+def promote(
+    platform: PlatformRef, version_id: int, reason: str, flow_run_id: Optional[str] = None
+) -> Optional[ReleaseInfo]:
     """Make a gated version the champion; a lost race is reported, not raised (the other cycle won)."""
     from registry import PromotionConflict
 
-    publish(version_id)
+    publish(platform, version_id)
     try:
-        return move_champion(version_id, reason, flow_run_id)
+        return move_champion(platform, version_id, reason, flow_run_id)
     except PromotionConflict as e:
         get_run_logger().warning(f"not promoted: {e}")
         return None

@@ -13,8 +13,10 @@ import math
 from datetime import datetime, timezone
 from pathlib import Path
 
+from registry import Flips
+
 from . import kl_tail
-from .gates import CandidateMetrics
+from .metrics import CandidateMetrics
 
 
 def _num(v, digits: int = 4) -> str:
@@ -107,7 +109,7 @@ def plots(folder: Path, candidates: list[CandidateMetrics]) -> list[str]:
 
     made = []
     points = [
-        Checkpoint(c.method, c.seed, float(c.target_solved), c.mean_kl("kl_vs_base"), c.name)
+        Checkpoint(method=c.method, seed=c.seed, level=float(c.target_solved), kl=c.mean_kl("kl_vs_base"), name=c.name)
         for c in candidates
         if c.target_solved is not None and 0 < c.mean_kl("kl_vs_base") < math.inf
     ]
@@ -121,14 +123,9 @@ def plots(folder: Path, candidates: list[CandidateMetrics]) -> list[str]:
         made.append("tradeoff.png")
     churn = {}
     for c in candidates:
-        if c.flips_vs_champion:
-            fl = c.flips_vs_champion.values()
-            churn[c.name] = {
-                "n": sum(f.n for f in fl),
-                "F": sum(f.F for f in fl),
-                "G": sum(f.G for f in fl),
-                "W": sum(f.W for f in fl),
-            }
+        total = Flips.total(c.flips_vs_champion.values())
+        if total.churn is not None:  # n = 0 (nothing compared) has no rates to draw
+            churn[c.name] = {"n": total.n, "F": total.F, "G": total.G, "W": total.W}
     if churn:
         churn_bars(churn, folder / "churn.png", title="Answer churn vs the champion (all watched domains)")
         made.append("churn.png")

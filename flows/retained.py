@@ -24,44 +24,39 @@ def _domain(ctx: CycleContext, member: str):
     return next(d for d in ctx.config.retained.domains if (d if isinstance(d, str) else d["name"]) == member)
 
 
-def _tokenizer(ctx: CycleContext):
-    from .runtime import backbone
-
-    return backbone(ctx.backbone).tokenizer
-
-
 def member_spec(ctx: CycleContext, member: str):
     """What defines the member's texts: a released skill's spec or the configured domain's."""
     spec = _released(ctx, member)
     return spec.to_dict() if spec is not None else _domain(ctx, member)
 
 
-def _texts(ctx: CycleContext, member: str, role: str, limit: int | None) -> list[str]:
+def _texts(ctx: CycleContext, member: str, role: str, limit: int | None, tokenizer) -> list[str]:
     from evaluation.domains import domain_contexts
 
     spec = _released(ctx, member)
     if spec is not None:
-        return skill_texts(_tokenizer(ctx), spec, role, limit)
-    return domain_contexts(_tokenizer(ctx), _domain(ctx, member), role, limit)[1]
+        return skill_texts(tokenizer, spec, role, limit)
+    return domain_contexts(tokenizer, _domain(ctx, member), role, limit)[1]
 
 
-def gate_texts(ctx: CycleContext, member: str) -> list[str]:
-    """The member's retained-KL contexts (first `retained.kl_contexts` gating rows)."""
-    return _texts(ctx, member, "gate", ctx.config.retained.kl_contexts)
+def gate_texts(ctx: CycleContext, member: str, tokenizer) -> list[str]:
+    """The member's retained-KL contexts (first `retained.kl_contexts` gating rows), rendered with
+    the backbone's chat template (flows.resources.Resources.gate_texts keeps them per spec)."""
+    return _texts(ctx, member, "gate", ctx.config.retained.kl_contexts, tokenizer)
 
 
-def calibration_texts(ctx: CycleContext, member: str, limit: int) -> list[str]:
+def calibration_texts(ctx: CycleContext, member: str, limit: int, tokenizer) -> list[str]:
     """The member's atlas calibration contexts (rows disjoint from its gating rows)."""
-    return _texts(ctx, member, "calibration", limit)
+    return _texts(ctx, member, "calibration", limit, tokenizer)
 
 
-def calibration_rows(ctx: CycleContext, member: str) -> int:
+def calibration_rows(ctx: CycleContext, member: str, tokenizer) -> int:
     """How many calibration rows the member has (built-in domains: their whole training split)."""
     spec = _released(ctx, member)
     if spec is not None:
         return len(skill_set(SkillSpec(spec.name, spec.data | {"train_limit": None}, spec.target)).train)
     domain = _domain(ctx, member)
-    return 10**9 if isinstance(domain, str) else len(_texts(ctx, member, "calibration", None))
+    return 10**9 if isinstance(domain, str) else len(_texts(ctx, member, "calibration", None, tokenizer))
 
 
 def share_examples(needed: int, available: dict[str, int]) -> dict[str, int]:

@@ -78,18 +78,19 @@ def submit_candidate(
     `parent`. A line that does not exist yet is started on `backbone` (its first adapter sits on the base)."""
     from atlas_core.backbone import DEFAULT_BACKBONE
 
-    from . import runtime
+    from .platform import PlatformRef
+    from .resources import scope
 
-    with runtime.session(), tempfile.TemporaryDirectory(prefix="atlas-submit-") as tmp:
-        model = _line(runtime.ledger(), line, backbone)
-        bb = runtime.load_backbone(model.backbone if model else backbone or DEFAULT_BACKBONE, "float32")
+    with scope(PlatformRef.from_environment()) as res, tempfile.TemporaryDirectory(prefix="atlas-submit-") as tmp:
+        model = _line(res.ledger, line, backbone)
+        bb = res.load_backbone(model.backbone if model else backbone or DEFAULT_BACKBONE, "float32")
         weights = _check_backbone(model, bb)
-        base = _parent(runtime, model, parent, name)
-        found = _delta_file(source, bb, Path(tmp), base, runtime.platform())
-        atlas = _atlas_of(runtime, found)
+        base = _parent(res, model, parent, name)
+        found = _delta_file(source, bb, Path(tmp), base, res.platform)
+        atlas = _atlas_of(res, found)
         delta = _verified_on_chain(found.path, base, bb.model, atlas)
         return _record(
-            runtime.platform(),
+            res.platform,
             model or line,
             bb,
             weights,
@@ -129,7 +130,7 @@ def _check_backbone(model, bb) -> str:
     return weights_sha256(bb.model)
 
 
-def _parent(runtime, model, ref: str, name: Optional[str]) -> _Parent:
+def _parent(res, model, ref: str, name: Optional[str]) -> _Parent:
     """The parent version, checked (active; the new version's name free), its chain verified."""
     from atlas_core.chain import Chain
     from registry import list_versions, resolve_version
@@ -138,13 +139,13 @@ def _parent(runtime, model, ref: str, name: Optional[str]) -> _Parent:
         if ref not in ("base", "champion"):
             raise InputError(f"--parent {ref!r}: the line has no versions yet; its first adapter sits on the base")
         return _Parent("base", None, (), Chain([]))
-    v = resolve_version(runtime.ledger(), model.id, ref)
+    v = resolve_version(res.ledger, model.id, ref)
     if v.status == "retired":
         raise InputError(f"--parent {ref!r}: {v.name} was rolled back (retired); re-nominate it first")
-    if name is not None and name in {x.name for x in list_versions(runtime.ledger(), model.id)}:
+    if name is not None and name in {x.name for x in list_versions(res.ledger, model.id)}:
         raise InputError(f"--name {name!r}: a version of {model.name} has that name already; choose another")
-    applied = runtime.resolve_applied(v)
-    return _Parent(v.name, v, tuple(d.adapter_sha256 for d in applied.deltas), runtime.chain(applied))
+    applied = res.resolve_applied(v)
+    return _Parent(v.name, v, tuple(d.adapter_sha256 for d in applied.deltas), res.chain(applied))
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,7 @@ def _from_release_folder(folder: Path, parent: _Parent) -> _Found:
     )
 
 
-def _atlas_of(runtime, found: _Found):
+def _atlas_of(res, found: _Found):
     """The atlas a submitted residual routes with: from the source (a release folder carries it,
     verified), else one the ledger already holds (e.g. the line's own); None for other kinds."""
     from atlas_core.atlas import Atlas
@@ -250,13 +251,13 @@ def _atlas_of(runtime, found: _Found):
     if found.atlas_file is not None:
         atlas = Atlas.load(found.atlas_file)
     else:
-        info = find_atlas_file(runtime.ledger(), found.atlas_sha256)
+        info = find_atlas_file(res.ledger, found.atlas_sha256)
         if info is None:
             raise InputError(
                 f"{found.path}: it routes with atlas sha256 {found.atlas_sha256[:16]}..., which the "
                 "ledger does not hold; submit a release folder, which carries its atlas"
             )
-        atlas = runtime.stored_atlas(info.id, found.atlas_sha256)
+        atlas = res.stored_atlas(info.id, found.atlas_sha256)
     if atlas.sha256 != found.atlas_sha256:
         raise InputError(f"{found.path}: expects atlas sha256 {found.atlas_sha256}, the atlas found is {atlas.sha256}")
     return atlas

@@ -24,6 +24,8 @@ from atlas_core.errors import InputError
 
 from .config import digest, resolve
 from .cycle import CycleContext
+from .platform import PlatformRef
+from .resources import Resources, scope
 from .retries import transient_only
 from .skills import SkillSet, skill_files, skill_set
 
@@ -31,7 +33,7 @@ from .skills import SkillSet, skill_files, skill_set
 def run_config_for(ctx: CycleContext, method: str, seed: int):
     """configs/train/<method>.yaml with this cycle's backbone, layer, atlas, seed and overrides;
     returns (run config, atlas variant or None)."""
-    from atlas_core.residual import RESIDUAL_VARIANTS
+    from atlas_core.methods import method_for
     from atlas_core.train import load_run_config
 
     over = ctx.config.train
@@ -45,7 +47,7 @@ def run_config_for(ctx: CycleContext, method: str, seed: int):
         if getattr(over, k) is not None
     }
     train = replace(rc.train, seed=seed, **changes)
-    variant = RESIDUAL_VARIANTS.get(rc.adapter) if rc.adapter != "weight-lora" else None
+    variant = method_for(rc).atlas_variant  # None: the method routes with no atlas
     atlas = ctx.atlas(variant)
     return replace(
         rc, backbone=ctx.backbone.name, layer=ctx.layer, atlas=atlas.path if atlas else None, train=train
@@ -80,68 +82,69 @@ def open_training_run(
     ctx: CycleContext, method: str, seed: int, run_config, variant, key: str, dataset_id: int, skill_sha256: str
 ) -> tuple[int, str]:
     """(training run id, status): the run with this key, or a new one."""
-    from registry import end_mlflow_run, find_training_run, start_training_run
+    from registry import end_mlflow_run, find_training_run
 
-    from .runtime import ledger, platform
+    with scope(ctx.platform) as res:
+        db, p = res.ledger, res.platform
+        found = find_training_run(db, ctx.backbone.ledger_id, ctx.skill.name, method, seed, key, model_id=ctx.model.id)
+        if found is None:
+            run_id = _start_run(db, p.store, ctx, method, seed, run_config, variant, key, dataset_id, skill_sha256)
+            found = (run_id, "running")
+        if found[1] != "finished":  # new, interrupted or failed before: it runs (again) now
+            end_mlflow_run(db, p.bridge, found[0], "running")
+        return found
 
-    found = find_training_run(
-        ledger(), ctx.backbone.ledger_id, ctx.skill.name, method, seed, key, model_id=ctx.model.id
+
+def _start_run(db, store, ctx: CycleContext, method, seed, run_config, variant, key, dataset_id, skill_sha256) -> int:
+    """A new training run row, with the skill's files kept in the store by content."""
+    from registry import start_training_run
+
+    # The skill's files are kept by content: later cycles read a released skill from them even
+    # after its snapshot was pruned or overwritten (flows.skills.pinned_spec).
+    kept = {k: store.put_file(path).sha256 for k, path in skill_files(ctx.skill).items()}
+    config = {
+        "run_key": key,
+        "run_config": run_config.to_dict() | {"atlas": None},
+        "skill": ctx.skill.to_dict(),
+        "skill_sha256": skill_sha256,
+        "skill_files": kept,
+    }
+    atlas = ctx.atlas(variant)
+    return start_training_run(
+        db,
+        ctx.backbone.ledger_id,
+        ctx.skill.name,
+        method,
+        seed,
+        config,
+        atlas_id=atlas.atlas_id if atlas else None,
+        dataset_id=dataset_id,
+        flow_run_id=ctx.flow_run_id,
+        model_id=ctx.model.id,
+        parent_version_id=ctx.champion.version.id,
     )
-    if found is None:
-        # The skill's files are kept by content: later cycles read a released skill from them even
-        # after its snapshot was pruned or overwritten (flows.skills.pinned_spec).
-        kept = {k: platform().store.put_file(path).sha256 for k, path in skill_files(ctx.skill).items()}
-        config = {
-            "run_key": key,
-            "run_config": run_config.to_dict() | {"atlas": None},
-            "skill": ctx.skill.to_dict(),
-            "skill_sha256": skill_sha256,
-            "skill_files": kept,
-        }
-        atlas = ctx.atlas(variant)
-        found = (
-            start_training_run(
-                ledger(),
-                ctx.backbone.ledger_id,
-                ctx.skill.name,
-                method,
-                seed,
-                config,
-                atlas_id=atlas.atlas_id if atlas else None,
-                dataset_id=dataset_id,
-                flow_run_id=ctx.flow_run_id,
-                model_id=ctx.model.id,
-                parent_version_id=ctx.champion.version.id,
-            ),
-            "running",
-        )
-    if found[1] != "finished":  # new, interrupted or failed before: it runs (again) now
-        end_mlflow_run(ledger(), platform().bridge, found[0], "running")
-    return found
 
 
-def record_checkpoint_files(evaluate: str, training_run_id: int, path: Path) -> int:
+def record_checkpoint_files(res: Resources, evaluate: str, training_run_id: int, path: Path) -> int:
     """Store a checkpoint's adapter (+ manifest), record and log it, register it if it is a candidate
     (`evaluate`: the config's which-checkpoints setting)."""
     from atlas_core.train import read_state
     from registry import log_checkpoint, record_checkpoint, register_version, run_checkpoints
 
-    from .runtime import ledger, platform
-
-    state, store = read_state(path), platform().store
+    db, state, store = res.ledger, read_state(path), res.platform.store
     adapter, manifest = store.put_file(path / "adapter.safetensors"), store.put_file(path / "adapter.json")
-    known = {step for _, _, step, _ in run_checkpoints(ledger(), training_run_id)}
+    known = {step for _, _, step, _ in run_checkpoints(db, training_run_id)}
     metrics = {
         "train_loss": state["train_losses"][-1] if state["train_losses"] else None,
         "val_loss": state["val_losses"].get(str(state["step"])),
         "epoch_end": bool(state.get("epoch_end")),
         "manifest_sha256": manifest.sha256,
     }
-    ckpt = record_checkpoint(ledger(), training_run_id, state["epoch"], state["step"], adapter, metrics)
+    ckpt = record_checkpoint(db, training_run_id, state["epoch"], state["step"], adapter, metrics)
     if state["step"] not in known:
-        log_checkpoint(ledger(), platform().bridge, ckpt.id)
+        log_checkpoint(db, res.platform.bridge, ckpt.id)
     if (state.get("epoch_end") and evaluate == "epoch-ends") or evaluate == "all":
-        return register_version(ledger(), ckpt.id).id
+        return register_version(db, ckpt.id).id
     return 0  # "final": registered once the run is finished (reconcile_checkpoints)
 
 
@@ -153,79 +156,77 @@ def train_run(
     from atlas_core.train import build_adapter, prepare_data, train
     from evaluation.contexts import retained_contexts
 
-    from .runtime import applied_on, atlas_file, backbone
+    with scope(ctx.platform) as res:
+        tokenizer, tc = res.backbone(ctx.backbone).tokenizer, run_config.train
+        retained = (
+            retained_contexts(tokenizer, "gsm8k", split="train", limit=ctx.config.retained.replay_examples)[1]
+            if tc.objective.uses_retained
+            else None
+        )
+        data = prepare_data(tokenizer, skill.train, tc, val=skill.val or None, retained=retained)
+        atlas = res.atlas_file(ctx.atlas(variant).path) if variant else None
+        record = lambda path, _: record_checkpoint_files(res, ctx.config.evaluate, training_run_id, path)
+        with res.applied_on(ctx, ctx.champion) as model:  # the parent's chain, frozen: the delta learns on top
+            stats = retained_stats_for(res, ctx, run_config, model, tokenizer)
+            adapter = build_adapter(run_config, model, atlas, stats)
+            try:
+                summary = train(model, adapter, data, tc, run_dir, resume=True, on_checkpoint=record)
+            finally:
+                if hasattr(adapter, "remove"):  # Weight-LoRA lives inside the model; take it out again
+                    adapter.remove()
+        return summary.checkpoints
 
-    tokenizer, tc = backbone(ctx.backbone).tokenizer, run_config.train
-    retained = (
-        retained_contexts(tokenizer, "gsm8k", split="train", limit=ctx.config.retained.replay_examples)[1]
-        if tc.objective.uses_retained
-        else None
-    )
-    data = prepare_data(tokenizer, skill.train, tc, val=skill.val or None, retained=retained)
-    atlas = atlas_file(ctx.atlas(variant).path) if variant else None
-    record = lambda path, _: record_checkpoint_files(ctx.config.evaluate, training_run_id, path)
-    with applied_on(ctx, ctx.champion) as model:  # the parent's chain, frozen: the new delta learns on top of it
-        adapter = build_adapter(run_config, model, atlas, retained_stats_for(ctx, run_config, model, tokenizer))
-        try:
-            summary = train(model, adapter, data, tc, run_dir, resume=True, on_checkpoint=record)
-        finally:
-            if hasattr(adapter, "remove"):  # Weight-LoRA lives inside the model; take it out again
-                adapter.remove()
-    return summary.checkpoints
 
-
-def retained_stats_for(ctx: CycleContext, run_config, model, tokenizer):
+def retained_stats_for(res: Resources, ctx: CycleContext, run_config, model, tokenizer):
     """The retained o_proj statistics a baseline needs (LoRA-Null, O-LoRA, CorDA-KPM), on the
     champion over the atlas's calibration contexts; None for methods that need none."""
     import torch
 
+    from atlas_core.methods import method_for
     from atlas_core.train.retained_stats import retained_stats
 
     from .refresh import atlas_plan
     from .retained import calibration_texts
-    from .runtime import platform
 
     lora = run_config.lora
-    if run_config.adapter != "weight-lora" or not lora.needs_stats or lora.stats is not None:
+    if not method_for(run_config).needs_stats(run_config) or lora.stats is not None:
         return None
-    plan = atlas_plan(ctx, "local")  # the same contexts, per member, as the atlas's calibration
-    texts = [t for m, info in plan["data"].items() for t in calibration_texts(ctx, m, info["examples"])]
+    plan = atlas_plan(ctx, "local", tokenizer)  # the same contexts, per member, as the atlas's calibration
+    texts = [t for m, info in plan["data"].items() for t in calibration_texts(ctx, m, info["examples"], tokenizer)]
     seqs = [
         torch.tensor(tokenizer(t, truncation=True, max_length=ctx.config.retained.kl_max_tokens)["input_ids"])
         for t in texts
     ]
-    return retained_stats(
-        model, ctx.layer, seqs, backbone=ctx.backbone.name, cache_dir=platform().state / "retained-stats"
-    )
+    return retained_stats(model, ctx.layer, seqs, backbone=ctx.backbone.name, cache_dir=res.state / "retained-stats")
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
-def reconcile_checkpoints(evaluate: str, training_run_id: int, checkpoints: list[str]) -> list[int]:
+def reconcile_checkpoints(
+    platform: PlatformRef, evaluate: str, training_run_id: int, checkpoints: list[str]
+) -> list[int]:
     """Record any checkpoint a crash left unrecorded; return the run's candidate version ids."""
     from registry import end_mlflow_run, register_version, run_checkpoints
 
-    from .runtime import ledger, platform
-
-    for path in checkpoints:
-        if Path(path).is_dir():
-            record_checkpoint_files(evaluate, training_run_id, Path(path))
-    end_mlflow_run(ledger(), platform().bridge, training_run_id, "finished")
-    recorded = run_checkpoints(ledger(), training_run_id)
-    eligible = [
-        cid for cid, _, _, m in recorded if evaluate == "all" or (evaluate == "epoch-ends" and m.get("epoch_end"))
-    ]
-    if evaluate == "final" and recorded:
-        eligible = [recorded[-1][0]]
-    return [register_version(ledger(), cid).id for cid in eligible]
+    with scope(platform) as res:
+        for path in checkpoints:
+            if Path(path).is_dir():
+                record_checkpoint_files(res, evaluate, training_run_id, Path(path))
+        end_mlflow_run(res.ledger, res.platform.bridge, training_run_id, "finished")
+        recorded = run_checkpoints(res.ledger, training_run_id)
+        eligible = [
+            cid for cid, _, _, m in recorded if evaluate == "all" or (evaluate == "epoch-ends" and m.get("epoch_end"))
+        ]
+        if evaluate == "final" and recorded:
+            eligible = [recorded[-1][0]]
+        return [register_version(res.ledger, cid).id for cid in eligible]
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
-def end_training_run(training_run_id: int, status: str) -> None:
+def end_training_run(platform: PlatformRef, training_run_id: int, status: str) -> None:
     from registry import end_mlflow_run
 
-    from .runtime import ledger, platform
-
-    end_mlflow_run(ledger(), platform().bridge, training_run_id, status)
+    with scope(platform) as res:
+        end_mlflow_run(res.ledger, res.platform.bridge, training_run_id, status)
 
 
 def planned_runs(ctx: CycleContext, skill: SkillSet) -> list[tuple[str, int, object, object, str]]:
@@ -245,24 +246,23 @@ def train_skill(ctx: CycleContext) -> list[int]:
     from evaluation.timing import phase
     from registry import ensure_dataset, get_version
 
-    from .runtime import ledger, platform
-
     log = get_run_logger()
-    skill = skill_set(ctx.skill)
-    dataset_id = ensure_dataset(ledger(), skill.dataset_name, skill.split, skill.sha256)
-    versions: list[int] = []
-    for method, seed, run_config, variant, key in planned_runs(ctx, skill):
-        run_id, status = open_training_run(ctx, method, seed, run_config, variant, key, dataset_id, skill.sha256)
-        run_dir = platform().state / "runs" / ctx.skill.name / f"{method}-s{seed}-{key[:12]}"
-        if status == "finished":
-            log.info(f"{method} seed {seed}: training run {run_id} already finished; reusing its checkpoints")
-            checkpoints = []
-        else:
-            try:
-                with phase(f"train {method} s{seed}"):
-                    checkpoints = train_run(ctx, run_id, run_config, variant, skill, run_dir)
-            except Exception:  # shown FAILED until a rerun resumes it from its last checkpoint
-                end_training_run(run_id, "failed")
-                raise
-        versions += reconcile_checkpoints(ctx.config.evaluate, run_id, checkpoints)
-    return [v for v in versions if get_version(ledger(), v).status == "active"]
+    with scope(ctx.platform) as res:
+        skill = skill_set(ctx.skill)
+        dataset_id = ensure_dataset(res.ledger, skill.dataset_name, skill.split, skill.sha256)
+        versions: list[int] = []
+        for method, seed, run_config, variant, key in planned_runs(ctx, skill):
+            run_id, status = open_training_run(ctx, method, seed, run_config, variant, key, dataset_id, skill.sha256)
+            run_dir = res.state / "runs" / ctx.skill.name / f"{method}-s{seed}-{key[:12]}"
+            if status == "finished":
+                log.info(f"{method} seed {seed}: training run {run_id} already finished; reusing its checkpoints")
+                checkpoints = []
+            else:
+                try:
+                    with phase(f"train {method} s{seed}"):
+                        checkpoints = train_run(ctx, run_id, run_config, variant, skill, run_dir)
+                except Exception:  # shown FAILED until a rerun resumes it from its last checkpoint
+                    end_training_run(ctx.platform, run_id, "failed")
+                    raise
+            versions += reconcile_checkpoints(ctx.platform, ctx.config.evaluate, run_id, checkpoints)
+        return [v for v in versions if get_version(res.ledger, v).status == "active"]

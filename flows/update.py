@@ -5,8 +5,9 @@
 
 Each stage takes and returns plain typed values (flows/cycle.py: CycleContext, AtlasRef,
 CandidateMetrics, GateOutcome, ReleaseInfo) and is a Prefect flow or task of its own, so its
-parameters are validated and its result can be persisted; the loaded backbone and caches are
-process resources (flows/runtime.py) that live for one `update` call.
+parameters are validated and its result can be persisted; the loaded backbone and caches live in
+one flows.resources.Resources that `cycle` opens for the whole call and closes at its end. The
+cycle returns a frozen CycleResult (flows/cycle.py), which `atlas update` renders.
 
 Each release builds on the line's champion: candidates train one delta with the champion's
 chain attached, the atlas describes the champion's activations, and every skill released
@@ -15,7 +16,9 @@ nothing new (the skill's snapshot already in the champion's chain, or every cand
 already gated against this champion) ends early as `idle` and writes nothing.
 
 Run it with `atlas update`, from a deployment (deploy/prefect.yaml), or from Python:
-`update(config="configs/update/default.yaml", policy="configs/policy/default.yaml")`.
+`update(config="configs/update/default.yaml", policy="configs/policy/default.yaml")` (call
+flows.platform.configure_environment() first to keep Prefect's home under the state folder, as
+`atlas` does).
 Every stage is safe to rerun: a crashed cycle started again reuses the atlas, resumes
 training, reuses stored answers and evaluations, and records nothing twice.
 """
@@ -31,97 +34,21 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from atlas_core.errors import InputError
+from registry import ReleaseInfo
 
-from .platform import DEFAULT_CONFIG, DEFAULT_POLICY, configure_environment
-
-configure_environment()
-
-from registry import ModelInfo, ReleaseInfo, VersionInfo  # noqa: E402 (after the environment is set)
-
-from .config import UpdateConfig  # noqa: E402
-from .cycle import CycleContext  # noqa: E402
-from .gates import CandidateMetrics  # noqa: E402
-from .policy import ReleasePolicy  # noqa: E402
-from .release import GateOutcome  # noqa: E402
-from .retries import transient_only  # noqa: E402
-
-
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=transient_only)
-def load_backbone_task(name: str, dtype: str) -> tuple[str, str, int, str]:
-    """Load the backbone (first use converts the shipped GGUF; transient errors are retried);
-    returns (revision, resolved dtype, number of decoder layers, weights sha256)."""
-    from atlas_core.backbone import weights_sha256
-
-    from .runtime import load_backbone
-
-    bb = load_backbone(name, dtype)
-    return bb.revision, bb.dtype, bb.num_layers, weights_sha256(bb.model)
-
-
-@task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
-def record_lineage(
-    name: str, revision: str, weights: str, line: str
-) -> tuple[int, ModelInfo, VersionInfo, VersionInfo]:
-    """Backbone, line and its base version in the ledger (get-or-create), and the champion's holder
-    (the base while nobody holds it): (backbone id, line, base, champion)."""
-    from registry import alias_holder, base_version, ensure_backbone, ensure_model
-
-    from .runtime import ledger
-
-    backbone_id = ensure_backbone(ledger(), name, revision, weights)
-    model = ensure_model(ledger(), backbone_id, line)
-    base = base_version(ledger(), model.id)
-    return backbone_id, model, base, alias_holder(ledger(), model.id) or base
-
-
-@flow(name="resolve_lineage", validate_parameters=True)
-def resolve_lineage(config: UpdateConfig, policy: ReleasePolicy, flow_run_id: Optional[str] = None) -> CycleContext:
-    """The cycle's context: backbone, line, base, the champion with its whole chain loaded and
-    verified, the skill taught now and the released skills it must keep, their scorers and the
-    policy's thresholds for them validated before anything trains."""
-    from .cycle import Applied, BackboneRef
-    from .gates import regression_kind
-    from .lineage import chain_skill_specs
-    from .policy import PASS_FAIL
-    from .runtime import ledger, platform, resolve_applied, scorer
-    from .skills import SkillSpec, released_skills, require_evaluable
-
-    revision, dtype, layers, weights = load_backbone_task(config.backbone, config.dtype)
-    backbone_id, model, base, holder = record_lineage(config.backbone, revision, weights, config.line_name)
-    layer = layers // 2 if config.layer == -1 else config.layer
-    champion = resolve_applied(holder)
-    skill = SkillSpec.from_config(config)
-    kept = chain_skill_specs(ledger(), champion, platform().store, platform().state / "cache" / "snapshots")
-    released = released_skills(kept, skill.name)
-    # Everything a cycle will read of each skill, resolved before anything trains: its files, both
-    # sides of its pairs (the one taught now is a released skill of every later cycle) and its scorer.
-    require_evaluable(skill, "target")
-    for spec in released:
-        require_evaluable(spec, "released")
-    for spec in (skill, *released):
-        scorer(spec)
-    policy.require_released([s.name for s in released])
-    # Thresholds no outcome could meet at these problem counts are refused now, not after training.
-    target = scorer(skill)
-    policy.require_feasible_target(len(target.problem_ids()), regression_kind(target) == PASS_FAIL)
-    policy.require_feasible_released(
-        {s.name: (regression_kind(scorer(s)), len(scorer(s).problem_ids())) for s in released}
-    )
-    return CycleContext(
-        config,
-        policy,
-        BackboneRef(config.backbone, revision, dtype, backbone_id, layer),
-        model,
-        Applied(base),
-        champion,
-        skill,
-        tuple(released),
-        flow_run_id=flow_run_id,
-    )
+from .config import UpdateConfig
+from .cycle import CycleContext, CycleResult, load_cycle
+from .lineage import resolve_lineage
+from .metrics import CandidateMetrics
+from .platform import DEFAULT_CONFIG, DEFAULT_POLICY, PlatformRef
+from .policy import ReleasePolicy
+from .release import GateOutcome
+from .resources import Resources, scope
+from .retries import transient_only
 
 
 def needed_atlas_variants(ctx: CycleContext) -> list[str]:
-    from atlas_core.residual import RESIDUAL_VARIANTS
+    from atlas_core.methods import method_for
     from atlas_core.train import load_run_config
 
     from .config import resolve
@@ -131,8 +58,7 @@ def needed_atlas_variants(ctx: CycleContext) -> list[str]:
         path = resolve(f"{ctx.config.train.configs_dir}/{method}.yaml")
         if not path.is_file():
             raise InputError(f"candidates.methods: no run config {path} for method {method!r}")
-        adapter = load_run_config(path).adapter
-        variant = None if adapter == "weight-lora" else RESIDUAL_VARIANTS[adapter]
+        variant = method_for(load_run_config(path)).atlas_variant  # None: the method routes with no atlas
         if variant and variant not in variants:
             variants.append(variant)
     return variants
@@ -164,15 +90,14 @@ def outcome_text(ctx: CycleContext, outcome: GateOutcome, release, candidates: l
     )
 
 
-def line_after(model_id: int, promoted: bool):
+def line_after(p, model_id: int, promoted: bool):
     """The line's history after this cycle (None while only the base serves); a promotion also
-    logs the newest row (R[T][i], OP, BWT, KL vs base) on the promoted version's MLflow run."""
+    logs the newest row (R[T][i], OP, BWT, KL vs base) on the promoted version's MLflow run.
+    `p`: the opened flows.platform.Platform."""
     from registry import alias_holder, ensure_mlflow_run
 
     from .history import line_history
-    from .runtime import platform
 
-    p = platform()
     champion = alias_holder(p.ledger, model_id)
     if champion is None:
         return None
@@ -193,12 +118,15 @@ def publish_report(
     steps: dict[str, float],
 ) -> str:
     """Write the report, then publish it as a Prefect artifact and as an MLflow run's artifacts."""
-    from registry import compare_versions
+    with scope(ctx.platform) as res:
+        return _write_and_publish(res.platform, ctx, candidates, outcome, release, phases, steps)
 
+
+def _write_and_publish(p, ctx: CycleContext, candidates, outcome: GateOutcome, release, phases, steps) -> str:
+    from .compare import compare_versions
     from .report import report_folder, write_report
-    from .runtime import platform
 
-    p, model, champion = platform(), ctx.model, ctx.champion.version
+    model, champion = ctx.model, ctx.champion.version
     folder = report_folder(p.state, model.name, ctx.flow_run_id)
     best = outcome.selected or (
         max(candidates, key=lambda c: (c.target_solved or 0, -c.mean_kl("kl_vs_champion"))) if candidates else None
@@ -220,7 +148,7 @@ def publish_report(
         f"Explain a verdict: `atlas gate --explain VERSION --model {model.name}`",
     ]
     text = outcome_text(ctx, outcome, release, candidates)
-    history = line_after(model.id, release is not None)
+    history = line_after(p, model.id, release is not None)
     path = write_report(folder, header, text, candidates, outcome, comparison, where, history, phases, steps)
     create_markdown_artifact(key="update-report", markdown=path.read_text(), description=f"{model.name}: {text[:200]}")
     run_id = p.bridge.start_run(
@@ -241,23 +169,10 @@ def publish_report(
     return str(path)
 
 
-def idle_result(ctx: CycleContext, reason: str) -> dict:
-    from .runtime import platform
-
-    champion = ctx.champion.version
+def idle_result(ctx: CycleContext, reason: str) -> CycleResult:
+    champion = ctx.champion.version.name
     get_run_logger().info(f"idle: {reason}")
-    return {
-        "model": ctx.model.name,
-        "outcome": "idle",
-        "promoted": False,
-        "champion": champion.name,
-        "previous_champion": champion.name,
-        "selected": None,
-        "candidates": {},
-        "report": None,
-        "reason": reason,
-        "state": str(platform().state),
-    }
+    return CycleResult(ctx.model.name, "idle", champion, champion, ctx.platform.state, reason=reason)
 
 
 @flow(name="update", validate_parameters=True)
@@ -268,40 +183,37 @@ def update(
     skill: Optional[str] = None,
     snapshot: Optional[str] = None,
     line: Optional[str] = None,
-) -> dict:
+) -> CycleResult:
     """One update cycle on a line: refresh the atlas on the champion, train the policy's candidates
     on top of it, evaluate them on everything the line keeps, gate, promote, report.
 
-    `snapshot`: the skill's training data (a JSONL file, or a folder whose newest snapshot is taken);
-    given, it replaces the config's `data.source`. `backbone`, `skill`, `line`: given, they replace the
-    config's fields. Outcome: promoted | rejected | not-promoted (lost a race) | idle."""
+    `config`, `policy`: YAML files. `snapshot`: the skill's training data (a JSONL file, or a folder
+    whose newest snapshot is taken); given, it replaces the config's `data.source`. `backbone`,
+    `skill`, `line`: given, they replace the config's fields. The records go where the environment
+    says (flows/platform.py). Outcome: promoted | rejected | not-promoted (lost a race) | idle."""
+    cfg, pol = load_cycle(config, policy, backbone=backbone, skill=skill, line=line, snapshot=snapshot)
+    return cycle(cfg, pol, PlatformRef.from_environment())
+
+
+@flow(name="update", validate_parameters=True)
+def update_parsed(config: UpdateConfig, policy: ReleasePolicy, platform: PlatformRef) -> CycleResult:
+    """`update` for a config and policy already loaded (`atlas update` parses and checks them
+    before Prefect starts, and they are not parsed again)."""
+    return cycle(config, policy, platform)
+
+
+def cycle(config: UpdateConfig, policy: ReleasePolicy, platform: PlatformRef) -> CycleResult:
+    """The stages of one cycle, inside one resources scope (one backbone, one cache per member)."""
     from prefect.runtime import flow_run
 
     from evaluation.timing import take as take_steps
 
-    from .config import load_update_config
-    from .policy import load_cycle_policy
-    from .runtime import session
-
-    cfg = load_update_config(config, backbone=backbone, skill=skill, line=line)
-    if snapshot is not None:
-        cfg = with_snapshot(cfg, snapshot)
-    with session():
+    with scope(platform):
         clock = _Clock()
         take_steps()  # the step table starts with this cycle
-        ctx = resolve_lineage(cfg, load_cycle_policy(policy, cfg), flow_run.id)
+        ctx = resolve_lineage(config, policy, platform, flow_run.id)
         clock.lap("lineage (backbone, ledger, champion chain)")
         return run_cycle(ctx, clock)
-
-
-def with_snapshot(cfg: UpdateConfig, snapshot: str) -> UpdateConfig:
-    """The config with `--snapshot` as its data source (validated as data.source is)."""
-    from atlas_core.typed_config import ConfigError
-
-    try:
-        return replace(cfg, data=replace(cfg.data, source=snapshot))
-    except ConfigError as e:
-        raise ConfigError(f"--snapshot: {str(e).removeprefix('source: ')}") from None
 
 
 def phase_key(name: str) -> str:
@@ -322,9 +234,14 @@ class _Clock:
         self._last = now
 
 
-def run_cycle(ctx: CycleContext, clock: Optional[_Clock] = None) -> dict:
+def run_cycle(ctx: CycleContext, clock: Optional[_Clock] = None) -> CycleResult:
     """The stages after resolve_lineage, each taking and returning plain values; `clock` has
     already timed resolve_lineage (backbone load, ledger, champion chain)."""
+    with scope(ctx.platform) as res:
+        return _run_stages(res, ctx, clock or _Clock())
+
+
+def _run_stages(res: Resources, ctx: CycleContext, clock: _Clock) -> CycleResult:
     from evaluation.timing import take as take_steps
     from registry import alias_holder
 
@@ -332,25 +249,23 @@ def run_cycle(ctx: CycleContext, clock: Optional[_Clock] = None) -> dict:
     from .lineage import already_gated, taught_by_chain
     from .refresh import refresh_atlas
     from .release import gate, promote
-    from .runtime import ledger, platform
     from .skills import skill_set
     from .training import planned_runs, train_skill
 
     data = skill_set(ctx.skill)
-    taught = taught_by_chain(ctx, data.sha256)
+    taught = taught_by_chain(res.ledger, ctx, data.sha256)
     if taught is not None:
         return idle_result(
             ctx,
             f"skill {ctx.skill.name!r} snapshot {data.sha256[:12]} is already released "
             f"in the champion's chain ({taught}); nothing new to train",
         )
-    clock = clock or _Clock()
     atlases = []
     for variant in needed_atlas_variants(ctx):
         atlases.append(refresh_atlas(ctx, variant))
         clock.lap(f"atlas {variant}")
     ctx = replace(ctx, atlases=tuple(atlases))
-    if already_gated(ctx, [(m, s, k) for m, s, _, _, k in planned_runs(ctx, data)], eval_key(ctx)):
+    if already_gated(res.ledger, ctx, [(m, s, k) for m, s, _, _, k in planned_runs(ctx, data)], eval_key(ctx)):
         return idle_result(
             ctx,
             f"every candidate of this snapshot was already gated against "
@@ -371,6 +286,7 @@ def run_cycle(ctx: CycleContext, clock: Optional[_Clock] = None) -> dict:
     if outcome.selected is not None:
         s = outcome.selected
         release = promote(
+            ctx.platform,
             s.version_id,
             f"gate {ctx.policy.label} passed; {ctx.skill.name} {s.target_score:g} "
             f"(champion {s.champion_score:g}) on top of {champion.name}; lowest retained KL",
@@ -380,18 +296,17 @@ def run_cycle(ctx: CycleContext, clock: Optional[_Clock] = None) -> dict:
     steps = take_steps()
     report = publish_report(ctx, candidates, outcome, release, clock.phases, steps)
     get_run_logger().info(f"report: {report}")
-    new_champion = alias_holder(ledger(), ctx.model.id) or ctx.base.version
+    new_champion = alias_holder(res.ledger, ctx.model.id) or ctx.base.version
     result = "promoted" if release is not None else "not-promoted" if outcome.selected is not None else "rejected"
-    return {
-        "model": ctx.model.name,
-        "outcome": result,
-        "promoted": release is not None,
-        "champion": new_champion.name,
-        "previous_champion": champion.name,
-        "selected": outcome.selected.name if outcome.selected else None,
-        "candidates": {c.name: outcome.verdict(c.version_id) for c in candidates},
-        "report": report,
-        "seconds": dict(clock.phases),
-        "steps": steps,
-        "state": str(platform().state),
-    }
+    return CycleResult(
+        model=ctx.model.name,
+        outcome=result,
+        champion=new_champion.name,
+        previous_champion=champion.name,
+        state=ctx.platform.state,
+        selected=outcome.selected.name if outcome.selected else None,
+        candidates={c.name: outcome.verdict(c.version_id) for c in candidates},
+        report=report,
+        seconds=dict(clock.phases),
+        steps=steps,
+    )

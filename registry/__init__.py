@@ -43,26 +43,16 @@ Releases        promote(ledger, bridge, version_id, alias="champion", reason=, f
                 repair(ledger, bridge) -> changes;
                 alias_holder(ledger, model_id, alias); list_releases(ledger, model_id);
                 errors: PromotionError > PromotionConflict, GateNotPassed, RollbackError
-Comparison      resolve_version(ledger, model_id_or_name, "base" | "champion" | name | "mlflow:<n>" | "#<id>");
-                compare_versions(ledger, a_id, b_id) -> Comparison (.to_table(), .to_markdown(), .to_json(),
-                .write(folder), .log_to_mlflow(bridge, run_id)); answer_churn(a, b);
-                release_history(ledger, model_id) -> [HistoryRow]; format_history(rows, markdown=False)
+Versions        resolve_version(ledger, model_id_or_name, "base" | "champion" | name | "mlflow:<n>" | "#<id>");
+                release_history(ledger, model_id) -> [HistoryRow] (flows.compare.format_history prints them)
+Flips           Flips(n, F, G, W): the one flip record (.churn, .nfr: None when n = 0; Flips.tally(kinds),
+                Flips.total(parts)); flip_kind(ref_correct, ref_answer, new_correct, new_answer) -> "F" | "G" |
+                "W" | None: the one classifier; ChurnCounts: an evaluation's Flips on one domain as stored (.flips)
+(The version comparison and its report are above the registry: flows.compare.compare_versions.)
 """
 
 from types import ModuleType as _ModuleType
 
-from registry.compare import (
-    ChurnRow,
-    Comparison,
-    Flip,
-    HistoryRow,
-    MetricRow,
-    answer_churn,
-    compare_versions,
-    format_history,
-    release_history,
-    resolve_version,
-)
 from registry.db import Ledger, LedgerError, default_ledger_url, downgrade, init_db, upgrade
 from registry.lineage import (
     complete_run_config,
@@ -115,12 +105,15 @@ from registry.publish import (
     write_release_folder,
 )
 from registry.queries import (
+    HistoryRow,
     atlas_files,
     evaluation_extra,
     find_training_run,
     recent_decisions,
     recent_training_runs,
     recorded_manifest_sha256,
+    release_history,
+    resolve_version,
     run_checkpoints,
     run_versions,
     training_run_config,
@@ -133,11 +126,13 @@ from registry.records import (
     DomainKL,
     EvaluationInfo,
     EvaluationRecord,
+    Flips,
     GateCheckRecord,
     GateDecisionInfo,
     ModelInfo,
     ReleaseInfo,
     VersionInfo,
+    flip_kind,
 )
 from registry.results import (
     get_answers,

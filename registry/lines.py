@@ -66,7 +66,7 @@ def _line_row(session: Session, backbone_id: int, line: str) -> RegisteredModel:
 
 def _model_info(session: Session, row: RegisteredModel) -> ModelInfo:
     backbone = session.get(Backbone, row.backbone_id)
-    return ModelInfo(row.id, row.name, backbone.name, backbone.revision, row.line)
+    return ModelInfo(id=row.id, name=row.name, backbone=backbone.name, revision=backbone.revision, line=row.line)
 
 
 def ensure_model(ledger: Ledger, backbone_id: int, line: str) -> ModelInfo:

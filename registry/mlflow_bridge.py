@@ -9,10 +9,6 @@ the ledger decides what MLflow shows (see `promotion.repair`).
 from __future__ import annotations
 
 import os
-
-# Before the first mlflow import: no usage reports from inside a training platform.
-os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
-
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -83,6 +79,8 @@ class MlflowBridge:
     def client(self) -> "MlflowClient":
         import logging
 
+        # Before mlflow is first imported here: no usage reports from inside a training platform.
+        os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
         from mlflow import MlflowClient
 
         # Creating or migrating MLflow's own database logs at INFO on stderr; a command's output is ours.

@@ -1,16 +1,21 @@
-"""Read-only views of the ledger that the flows and the CLI need: each is one transaction
-of plain selects, returning plain values (tuples, dicts), never ORM rows."""
+"""Read-only views of the ledger that the flows and the CLI need: each returns plain values
+(tuples, dicts, records), never ORM rows. Also: a version named the way people name it
+(`resolve_version`) and a line's release log (`release_history`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from sqlalchemy import select
 
 from registry.db import Ledger, LedgerError
-from registry.lines import version_info
+from registry.lines import base_version, get_model, get_version, list_versions, version_info
+from registry.mlflow_bridge import MANAGED_ALIASES
 from registry.models import Atlas, Checkpoint, Evaluation, GateDecision, ModelVersion, TrainingRun
+from registry.promotion import alias_holder, list_releases
 from registry.records import VersionInfo
+from registry.results import latest_evaluation
 from registry.rows import require_row
 
 
@@ -159,3 +164,83 @@ def version_source(ledger: Ledger, version: VersionInfo) -> str:
         f"submitted {submitted.get('format', '?')} sha256:{str(submitted.get('sha256'))[:12]} "
         f"from {submitted.get('source', '?')}"
     )
+
+
+def resolve_version(ledger: Ledger, model: int | str, ref: str) -> VersionInfo:
+    """A version of `model` named the way people name it on a command line:
+    'base', an alias ('champion', 'candidate'), 'mlflow:<n>', '#<ledger id>' or a version name.
+    'champion' while nobody holds it is the base version: the base is what serves then.
+
+    The form of `ref` decides what it is matched against, and names are unique within a
+    line, so a reference never matches two versions.
+    """
+    info = get_model(ledger, model)
+    if ref == "base":
+        return base_version(ledger, info.id)
+    if ref in MANAGED_ALIASES:
+        holder = alias_holder(ledger, info.id, ref)
+        if holder is None and ref == "champion":  # nobody holds it (never released, or rolled back to the base)
+            return base_version(ledger, info.id)
+        if holder is None:
+            raise LedgerError(f"{info.name}: nobody holds {ref!r}")
+        return holder
+    versions = list_versions(ledger, info.id)
+    if ref.startswith("#"):
+        matches = [v for v in versions if f"#{v.id}" == ref]
+    elif ref.startswith("mlflow:"):
+        matches = [v for v in versions if v.mlflow_version is not None and f"mlflow:{v.mlflow_version}" == ref]
+    else:
+        matches = [v for v in versions if v.name == ref]
+    if not matches:
+        known = ", ".join(v.name for v in versions) or "none"
+        raise LedgerError(f"{info.name}: version {ref!r} matches 0 versions (known: {known})")
+    if len(matches) > 1:  # the unique (line, name) constraint makes this a corrupted ledger
+        raise LedgerError(
+            f"{info.name}: version {ref!r} matches {len(matches)} versions: {', '.join(f'#{v.id}' for v in matches)}"
+        )
+    return matches[0]
+
+
+@dataclass(frozen=True)
+class HistoryRow:
+    """One release of a line with the released version's key metrics (flows.compare.format_history
+    prints them)."""
+
+    release_id: int
+    when: str
+    action: str
+    alias: str
+    version: str
+    previous: str
+    target: str
+    max_kl_vs_base: Optional[float]
+    nfr_vs_base: Optional[float]  # None: not measured, or no questions compared (n = 0)
+    flow_run_id: Optional[str]
+    reason: str
+    source: str = "-"  # trained | submitted ... (version_source)
+
+
+def release_history(ledger: Ledger, model_id: int, alias: Optional[str] = "champion") -> list[HistoryRow]:
+    """Every release of a model (oldest first) with the released version's key metrics."""
+    rows = []
+    for r in list_releases(ledger, model_id, alias):
+        v = get_version(ledger, r.version_id)
+        ev = latest_evaluation(ledger, r.version_id)
+        churn = ev.churn_total("base") if ev else None
+        rows.append(
+            HistoryRow(
+                release_id=r.id,
+                when=r.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+                action=r.action,
+                alias=r.alias,
+                version=v.name,
+                previous=get_version(ledger, r.previous_version_id).name if r.previous_version_id else "-",
+                target=f"{ev.target_solved}/{ev.target_total}" if ev else "-",
+                max_kl_vs_base=ev.max_kl("kl_vs_base") if ev else None,
+                nfr_vs_base=churn.nfr if churn else None,
+                flow_run_id=r.flow_run_id,
+                reason=r.reason,
+                source=version_source(ledger, v),
+            )
+        )
+    return rows

@@ -7,8 +7,10 @@ output records instead of ORM objects so that nothing depends on an open session
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
+from numbers import Integral
 from typing import Any, Optional
 
 # -- inputs --------------------------------------------------------------------------
@@ -23,30 +25,71 @@ class DomainKL:
     kl_vs_release: Optional[float] = None
 
 
-class FlipRates:
-    """churn = (F + G + W) / n and NFR = F / n, for records that carry the flip counts."""
+def flip_kind(
+    ref_correct: bool, ref_answer: Optional[str], new_correct: bool, new_answer: Optional[str]
+) -> Optional[str]:
+    """The one F/G/W classifier: how one question's answer moved from a reference to a new model.
 
-    flips_f: int
-    flips_g: int
-    flips_w: int
-    n: int
-
-    @property
-    def churn(self) -> float:
-        return (self.flips_f + self.flips_g + self.flips_w) / self.n if self.n else 0.0
-
-    @property
-    def nfr(self) -> float:
-        return self.flips_f / self.n if self.n else 0.0
+    'F' correct -> wrong (a negative flip), 'G' wrong -> correct, 'W' wrong -> a different wrong
+    answer; None: unchanged. A question has one correct answer, so a change of answer is always
+    one of the three; two unextractable answers (None, None) count as unchanged.
+    """
+    if ref_correct and not new_correct:
+        return "F"
+    if not ref_correct and new_correct:
+        return "G"
+    if not ref_correct and not new_correct and ref_answer != new_answer:
+        return "W"
+    return None
 
 
 @dataclass(frozen=True)
-class ChurnCounts(FlipRates):
-    """Answer flips on one domain against the base or the release (`against`).
+class Flips:
+    """The one flip record: answer flips (`flip_kind`) of a new model against a reference on the
+    n questions both answered; churn = (F + G + W) / n and NFR = F / n.
 
-    F = correct -> wrong, G = wrong -> correct, W = wrong -> a different wrong answer,
-    out of n questions answered by both.
+    n = 0 (or any n that is not a positive count) means nothing was compared: both rates are None,
+    never 0 or NaN, so every consumer fails closed on it (a gate check reads None as not measured).
+    The counts are not validated here: the gates judge impossible counts (out of range) themselves,
+    and the ledger refuses them when stored (registry.results).
     """
+
+    n: int
+    F: int
+    G: int
+    W: int
+
+    @classmethod
+    def tally(cls, kinds: Iterable[Optional[str]]) -> Flips:
+        """Count one `flip_kind` result per compared question (None: unchanged)."""
+        kinds = list(kinds)
+        return cls(n=len(kinds), F=kinds.count("F"), G=kinds.count("G"), W=kinds.count("W"))
+
+    @classmethod
+    def total(cls, parts: Iterable[Flips]) -> Flips:
+        """The flips of several question sets together (e.g. over domains)."""
+        parts = list(parts)
+        return cls(**{k: sum(getattr(p, k) for p in parts) for k in ("n", "F", "G", "W")})
+
+    @property
+    def measured(self) -> bool:
+        """Whether any question was compared (n is a positive count)."""
+        return isinstance(self.n, Integral) and self.n > 0
+
+    @property
+    def churn(self) -> Optional[float]:
+        return (self.F + self.G + self.W) / self.n if self.measured else None
+
+    @property
+    def nfr(self) -> Optional[float]:
+        return self.F / self.n if self.measured else None
+
+
+@dataclass(frozen=True)
+class ChurnCounts:
+    """The ledger row of one evaluation's `Flips` on one domain against the base or the release
+    (`against`), under the ledger's column names; `flips` is the record, and its rates are the
+    record's (`churn`, `nfr`: None when n = 0)."""
 
     against: str  # "base" | "release"
     domain: str
@@ -54,6 +97,22 @@ class ChurnCounts(FlipRates):
     flips_g: int
     flips_w: int
     n: int
+
+    @classmethod
+    def of(cls, against: str, domain: str, flips: Flips) -> ChurnCounts:
+        return cls(against=against, domain=domain, flips_f=flips.F, flips_g=flips.G, flips_w=flips.W, n=flips.n)
+
+    @property
+    def flips(self) -> Flips:
+        return Flips(n=self.n, F=self.flips_f, G=self.flips_g, W=self.flips_w)
+
+    @property
+    def churn(self) -> Optional[float]:
+        return self.flips.churn
+
+    @property
+    def nfr(self) -> Optional[float]:
+        return self.flips.nfr
 
 
 @dataclass(frozen=True)
@@ -173,9 +232,7 @@ class EvaluationInfo:
         rows = [c for c in self.churn if c.against == against]
         if not rows:
             return None
-        return ChurnCounts(
-            against, "all", *(sum(getattr(c, k) for c in rows) for k in ("flips_f", "flips_g", "flips_w", "n"))
-        )
+        return ChurnCounts.of(against, "all", Flips.total(c.flips for c in rows))
 
     def max_kl(self, which: str = "kl_vs_base") -> Optional[float]:
         values = [getattr(k, which) for k in self.kl if getattr(k, which) is not None]

@@ -100,13 +100,15 @@ def latest_evaluation(ledger: Ledger, version_id: int) -> Optional[EvaluationInf
         if row is None:
             return None
         kl = [
-            DomainKL(k.domain, k.kl_vs_base, k.kl_vs_release)
+            DomainKL(domain=k.domain, kl_vs_base=k.kl_vs_base, kl_vs_release=k.kl_vs_release)
             for k in s.scalars(
                 select(EvaluationKL).where(EvaluationKL.evaluation_id == row.id).order_by(EvaluationKL.domain)
             )
         ]
         churn = [
-            ChurnCounts(c.against, c.domain, c.flips_f, c.flips_g, c.flips_w, c.n)
+            ChurnCounts(
+                against=c.against, domain=c.domain, flips_f=c.flips_f, flips_g=c.flips_g, flips_w=c.flips_w, n=c.n
+            )
             for c in s.scalars(
                 select(EvaluationChurn)
                 .where(EvaluationChurn.evaluation_id == row.id)
@@ -114,15 +116,15 @@ def latest_evaluation(ledger: Ledger, version_id: int) -> Optional[EvaluationInf
             )
         ]
         return EvaluationInfo(
-            row.id,
-            row.model_version_id,
-            row.release_version_id,
-            row.target_solved,
-            row.target_total,
-            kl,
-            churn,
-            row.csqa_choice_churn,
-            row.created_at,
+            id=row.id,
+            version_id=row.model_version_id,
+            release_version_id=row.release_version_id,
+            target_solved=row.target_solved,
+            target_total=row.target_total,
+            kl=kl,
+            churn=churn,
+            csqa_choice_churn=row.csqa_choice_churn,
+            created_at=row.created_at,
         )
 
 
@@ -178,7 +180,12 @@ def get_answers(ledger: Ledger, version_id: int) -> dict[tuple[str, str], Answer
     with ledger.transaction() as s:
         require_row(s, ModelVersion, version_id, "model version")
         rows = s.scalars(select(Answer).where(Answer.model_version_id == version_id))
-        return {(r.dataset, r.question_id): AnswerRecord(r.dataset, r.question_id, r.answer, r.correct) for r in rows}
+        return {
+            (r.dataset, r.question_id): AnswerRecord(
+                dataset=r.dataset, question_id=r.question_id, answer=r.answer, correct=r.correct
+            )
+            for r in rows
+        }
 
 
 def record_gate_decision(
@@ -238,7 +245,14 @@ def record_gate_decision(
                 )
             )
         return GateDecisionInfo(
-            row.id, version_id, evaluation_id, release_version_id, policy_name, passed, list(checks), row.created_at
+            id=row.id,
+            version_id=version_id,
+            evaluation_id=evaluation_id,
+            release_version_id=release_version_id,
+            policy_name=policy_name,
+            passed=passed,
+            checks=list(checks),
+            created_at=row.created_at,
         )
 
 
@@ -253,16 +267,16 @@ def latest_gate_decision(ledger: Ledger, version_id: int) -> Optional[GateDecisi
         if row is None:
             return None
         checks = [
-            GateCheckRecord(c.name, c.threshold, c.measured, c.passed, c.detail)
+            GateCheckRecord(name=c.name, threshold=c.threshold, measured=c.measured, passed=c.passed, detail=c.detail)
             for c in s.scalars(select(GateCheck).where(GateCheck.decision_id == row.id).order_by(GateCheck.id))
         ]
         return GateDecisionInfo(
-            row.id,
-            row.model_version_id,
-            row.evaluation_id,
-            row.release_version_id,
-            row.policy_name,
-            row.passed,
-            checks,
-            row.created_at,
+            id=row.id,
+            version_id=row.model_version_id,
+            evaluation_id=row.evaluation_id,
+            release_version_id=row.release_version_id,
+            policy_name=row.policy_name,
+            passed=row.passed,
+            checks=checks,
+            created_at=row.created_at,
         )

@@ -141,18 +141,17 @@ def stored_metrics_from(monkeypatch, extra: dict):
     from types import SimpleNamespace
 
     import registry
-    from flows import evaluate, runtime
+    from flows import evaluate
 
     ev = SimpleNamespace(
         id=3, release_version_id=1, kl=[], churn=[], target_solved=2, target_total=4, csqa_choice_churn=None
     )
-    monkeypatch.setattr(runtime, "ledger", lambda: None)
     monkeypatch.setattr(registry, "latest_evaluation", lambda ledger, version_id: ev)
     monkeypatch.setattr(registry, "evaluation_extra", lambda ledger, evaluation_id: extra)
     monkeypatch.setattr(evaluate, "eval_key", lambda ctx: extra.get("eval_key"))
     ctx = SimpleNamespace(champion=SimpleNamespace(version=SimpleNamespace(id=1)))
     version = SimpleNamespace(id=9, name="v9", method="atlas", seed=0, epoch=1, step=4)
-    return evaluate.stored_metrics(ctx, version)
+    return evaluate.stored_metrics(None, ctx, version)
 
 
 def _crash_after_checkpoints(config: str, policy: str, after: int) -> None:
@@ -163,8 +162,8 @@ def _crash_after_checkpoints(config: str, policy: str, after: int) -> None:
 
     original, seen = training.record_checkpoint_files, set()
 
-    def record_then_die(evaluate, training_run_id, path):
-        out = original(evaluate, training_run_id, path)
+    def record_then_die(res, evaluate, training_run_id, path):
+        out = original(res, evaluate, training_run_id, path)
         seen.add(str(path))  # recording one again (reconcile) does not count
         if len(seen) >= after:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -551,7 +551,8 @@ def test_a_ledger_version_whose_adapter_manifest_was_never_recorded_is_named(
     ledger, ledger_url, store, tmp_path, monkeypatch
 ):
     """A corrupted ledger row reference: the version's checkpoint carries no manifest hash."""
-    from flows import runtime
+    from flows.platform import PlatformRef
+    from flows.resources import scope
     from registry import LedgerError
     from tests.conftest_registry import make_candidates, unique_backbone
 
@@ -559,6 +560,7 @@ def test_a_ledger_version_whose_adapter_manifest_was_never_recorded_is_named(
     monkeypatch.setenv("ATLAS_LEDGER_URL", ledger_url)
     monkeypatch.setenv("ATLAS_ARTIFACT_STORE", str(store.root_url))
     _, (version,) = make_candidates(ledger, store, unique_backbone(), seeds=(0,))
-    with runtime.session(), pytest.raises(LedgerError, match=rf"{version.name} \(id {version.id}\).*manifest"):
-        runtime.delta(version)
+    with scope(PlatformRef.from_environment()) as res:
+        with pytest.raises(LedgerError, match=rf"{version.name} \(id {version.id}\).*manifest"):
+            res.delta(version)
     assert not (tmp_path / "state" / "cache").exists()  # nothing fetched

@@ -38,7 +38,7 @@ def assert_local_prefect_status_reads_the_same_runs(tmp_path) -> None:
     from prefect.server.database.dependencies import temporary_database_config
     from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL, PREFECT_API_URL, temporary_settings
 
-    from flows.serve import prefect_status
+    from flows.prefect_runs import prefect_status
 
     served = prefect_status(5)
     assert "COMPLETED" in served.upper(), served

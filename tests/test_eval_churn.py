@@ -15,7 +15,8 @@ from evaluation.answers import (
     score_gsm8k,
     write_answers,
 )
-from evaluation.churn import answer_churn
+from flows.compare import answer_churn
+from registry import Flips, flip_kind
 
 
 @pytest.mark.parametrize(
@@ -141,12 +142,37 @@ def test_answer_given_waits_for_the_whole_number(text: str, given: str | None) -
     assert (extract_gsm8k_answer(text[: match.end()]) if match else None) == given
 
 
+def test_the_one_classifier_on_every_transition():
+    """registry.flip_kind, the only F/G/W classifier (fresh answers, stored answers, gates):
+    correct -> wrong is F, wrong -> correct is G, wrong -> another wrong (None included) is W."""
+    assert flip_kind(True, "1", False, "2") == "F"
+    assert flip_kind(True, "1", False, None) == "F"
+    assert flip_kind(False, "2", True, "1") == "G"
+    assert flip_kind(False, None, True, "1") == "G"
+    assert flip_kind(False, "2", False, "3") == "W"
+    assert flip_kind(False, "2", False, None) == "W" and flip_kind(False, None, False, "2") == "W"
+    assert flip_kind(True, "1", True, "1") is None
+    assert flip_kind(False, "2", False, "2") is None
+    assert flip_kind(False, None, False, None) is None  # unextractable both times: unchanged
+    assert Flips.tally(["F", "G", "W", "W", None]) == Flips(n=5, F=1, G=1, W=2)
+
+
+def test_no_questions_compared_has_no_rates():
+    """n = 0 means nothing was compared: churn and NFR are None (never 0 or NaN), so every
+    consumer fails closed on it; two empty answer sets give exactly that."""
+    empty = answer_churn([], [])
+    assert (empty.n, empty.F, empty.G, empty.W) == (0, 0, 0, 0)
+    assert empty.churn is None and empty.nfr is None and empty.accuracy_ref is None
+    assert empty.flips == Flips(0, 0, 0, 0) and Flips(0, 0, 0, 0).nfr is None
+    assert Flips.total([]).churn is None and Flips.total([Flips(4, 1, 0, 1), Flips(0, 0, 0, 0)]).nfr == 0.25
+
+
 def test_registry_counts_flips_with_the_same_classifier():
-    """Stored answers compared in the ledger (registry.compare) give the F/G/W that evaluation
+    """Stored answers compared from the ledger (flows.compare) give the F/G/W that evaluation
     counts from fresh answers and the gates read: every (correct, answer) transition."""
     from itertools import product
 
-    from registry.compare import answer_churn as ledger_churn
+    from flows.compare import compare_answers
     from registry.records import AnswerRecord
 
     states = [(True, "1"), (False, "2"), (False, "3"), (False, None)]
@@ -154,10 +180,11 @@ def test_registry_counts_flips_with_the_same_classifier():
     ref = {f"q{i}": Answer(f"q{i}", a, c) for i, ((c, a), _) in enumerate(pairs)}
     new = {f"q{i}": Answer(f"q{i}", a, c) for i, (_, (c, a)) in enumerate(pairs)}
     fresh = answer_churn(ref, new)
-    rows, flips = ledger_churn(
+    rows, flips = compare_answers(
         {("d", q): AnswerRecord("d", q, x.answer, x.correct) for q, x in ref.items()},
         {("d", q): AnswerRecord("d", q, x.answer, x.correct) for q, x in new.items()},
     )
-    assert (rows[0].flips_f, rows[0].flips_g, rows[0].flips_w, rows[0].n) == (fresh.F, fresh.G, fresh.W, fresh.n)
+    f = rows[0].flips
+    assert (f.F, f.G, f.W, f.n) == (fresh.F, fresh.G, fresh.W, fresh.n)
     assert (fresh.F, fresh.G, fresh.W) == (3, 3, 6)  # 1 correct x 3 wrong each way; 3 wrong x 2 other wrong
     assert len(flips) == fresh.F + fresh.G + fresh.W

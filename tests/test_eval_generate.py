@@ -262,7 +262,7 @@ def test_choice_from_prefix_states_equals_full_forwards(model_and_tokenizer) -> 
     finally:
         handle.remove()
     assert not torch.allclose(above.logprobs, full.logprobs, atol=1e-3)
-    # A delta at the prefix layer: the stored states miss it, which is why flows.runtime.prefix_serves
+    # A delta at the prefix layer: the stored states miss it, which is why flows.resources.prefix_serves
     # refuses them for such a version.
     handle = model.model.layers[0].register_forward_hook(_adding(steer))
     try:

@@ -21,7 +21,7 @@ def test_every_baseline_is_a_policy_candidate(prefect_harness, state, tmp_path):
         tmp_path / "cfg", policy, evaluate="final", train=TINY_CONFIG["train"] | {"epochs": 1}
     )
     result = update(config, policy_file)
-    assert len(result["candidates"]) == len(METHODS), result["candidates"]
+    assert len(result.candidates) == len(METHODS), result.candidates
     stats = list((state / "retained-stats").glob("*.safetensors"))
     assert len(stats) == 1  # one (backbone, layer, retained data) key shared by the three methods that need it
 
@@ -29,16 +29,16 @@ def test_every_baseline_is_a_policy_candidate(prefect_harness, state, tmp_path):
 
     p = open_platform()
     try:
-        versions = [v for v in list_versions(p.ledger, get_model(p.ledger, result["model"]).id) if not v.is_base]
+        versions = [v for v in list_versions(p.ledger, get_model(p.ledger, result.model).id) if not v.is_base]
     finally:
         p.close()
     assert sorted(v.method for v in versions) == sorted(METHODS)
     ids = torch.randint(3, 300, (1, 8), generator=torch.Generator().manual_seed(0))
-    base = load_release(result["model"], "base", dtype="float32")
+    base = load_release(result.model, "base", dtype="float32")
     with torch.no_grad():
         base_logits = base.model(ids).logits
         for v in versions:  # each saved delta applies as a chain delta and changes the model ...
-            moved = (load_release(result["model"], v.name, dtype="float32").model(ids).logits - base_logits).abs().max()
+            moved = (load_release(result.model, v.name, dtype="float32").model(ids).logits - base_logits).abs().max()
             # ... except STM's: on a random model every response token's f0 NLL (about ln 400) exceeds
             # ln 2.5, so STM masks them all and B stays 0
             assert (moved == 0) if v.method == "stm" else (moved > 0), v.method

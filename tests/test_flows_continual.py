@@ -109,13 +109,13 @@ def test_three_releases_build_a_chain_and_keep_released_skills(prefect_harness, 
     )
 
     first = update(line_files["a"], line_files["pass"])
-    assert first["outcome"] == "promoted"
+    assert first.outcome == "promoted"
     second = update(line_files["b"], line_files["pass"])
-    assert second["outcome"] == "promoted" and second["previous_champion"] == first["champion"]
+    assert second.outcome == "promoted" and second.previous_champion == first.champion
 
     p = _open()
     try:
-        model = get_model(p.ledger, first["model"])
+        model = get_model(p.ledger, first.model)
         assert model.line == "assistant" and model.name == "tiny-llama.assistant"
         v1, v2 = (resolve_version(p.ledger, model.id, r[k]) for r, k in ((first, "champion"), (second, "champion")))
         assert v2.parent_id == v1.id and v1.parent_id == resolve_version(p.ledger, model.id, "base").id
@@ -134,10 +134,10 @@ def test_three_releases_build_a_chain_and_keep_released_skills(prefect_harness, 
     write_pairs(line_files["snapshots"] / "a2.jsonl", line_files["train"][8:16])
     os.utime(line_files["snapshots"] / "a2.jsonl", (time.time() + 5, time.time() + 5))
     third = update(line_files["a"], line_files["pass"])
-    assert third["outcome"] == "promoted" and third["previous_champion"] == second["champion"]
+    assert third.outcome == "promoted" and third.previous_champion == second.champion
     p = _open()
     try:
-        v3 = resolve_version(p.ledger, model.id, third["champion"])
+        v3 = resolve_version(p.ledger, model.id, third.champion)
         chain = version_chain(p.ledger, v3.id)
         assert [v.skill for v in chain] == ["a", "b", "a"] and v3.name != v1.name  # unique names
         assert resolve_version(p.ledger, model.id, v1.name).id == v1.id
@@ -160,13 +160,13 @@ def test_three_releases_build_a_chain_and_keep_released_skills(prefect_harness, 
     # Retention: KL vs the release that taught a released skill (here the champion each time)
     assert history.kl_vs_teacher[1] == {} and set(history.kl_vs_teacher[2]) == {"a"}
     assert history.kl_vs_teacher[2]["a"] == pytest.approx(v2_kl["a"]) and set(history.kl_vs_teacher[3]) == {"b"}
-    report = Path(third["report"])
+    report = Path(third.report)
     assert "## The line" in report.read_text() and (report.parent / "history.png").is_file()
 
     counts = ledger_counts(state)
     assert counts["atlases"] == 3
     idle = update(line_files["a"], line_files["pass"])
-    assert idle["outcome"] == "idle" and "already released" in idle["reason"]
+    assert idle.outcome == "idle" and "already released" in idle.reason
     assert ledger_counts(state) == counts
 
 
@@ -194,13 +194,13 @@ def test_a_candidate_that_regresses_a_released_skill_is_rejected_for_it(prefect_
     a["target"]["scorer"] = "tests.test_flows_continual:LowNllIsWorse"
     a_user = write_yaml(line_files["cfg"] / "a-user.yaml", a)
     first = update(a_user, line_files["pass"])
-    assert first["outcome"] == "rejected"  # A's own gain reads negative with this scorer: release it by hand
+    assert first.outcome == "rejected"  # A's own gain reads negative with this scorer: release it by hand
     p = _open()
     try:
         from registry import promote
 
-        (name,) = first["candidates"]
-        v1 = resolve_version(p.ledger, get_model(p.ledger, first["model"]).id, name)
+        (name,) = first.candidates
+        v1 = resolve_version(p.ledger, get_model(p.ledger, first.model).id, name)
         promote(p.ledger, p.bridge, v1.id, reason="released by hand", expected_current=None, require_gate=False)
     finally:
         p.close()
@@ -208,12 +208,12 @@ def test_a_candidate_that_regresses_a_released_skill_is_rejected_for_it(prefect_
         line_files["cfg"] / "strict.yaml", policy("tiny-strict", no_regression={"a": {"tolerance": 0.0, "min_n": 4}})
     )
     result = update(line_files["b"], strict)
-    assert result["outcome"] == "rejected"
+    assert result.outcome == "rejected"
     p = _open()
     try:
-        model = get_model(p.ledger, result["model"])
-        assert result["candidates"]
-        for name in result["candidates"]:
+        model = get_model(p.ledger, result.model)
+        assert result.candidates
+        for name in result.candidates:
             decision = latest_gate_decision(p.ledger, resolve_version(p.ledger, model.id, name).id)
             failed = [c for c in decision.checks if not c.passed]
             assert [c.name for c in failed] == ["no_regression[a]"] and failed[0].measured > 0
@@ -245,13 +245,13 @@ def test_rollback_to_base_retires_the_release_and_the_next_cycle_is_idle(prefect
         policy("tiny-notes", max_kl_vs_champion=LOOSE_KL | {"notes": 50.0}, max_kl_vs_base=LOOSE_KL | {"notes": 50.0}),
     )
     first = update(config, passing)
-    assert first["outcome"] == "promoted"
-    rollback(first["model"], "regression reported by users")
+    assert first.outcome == "promoted"
+    rollback(first.model, "regression reported by users")
     p = _open()
     try:
-        model = get_model(p.ledger, first["model"])
+        model = get_model(p.ledger, first.model)
         assert alias_holder(p.ledger, model.id) is None  # the base serves
-        v1 = resolve_version(p.ledger, model.id, first["champion"])
+        v1 = resolve_version(p.ledger, model.id, first.champion)
         assert v1.status == "retired"
         checks = {c.name: c for c in latest_gate_decision(p.ledger, v1.id).checks}
         assert checks["kl_vs_champion[notes]"].measured is not None and "nfr_upper_vs_base[notes]" not in checks
@@ -263,7 +263,7 @@ def test_rollback_to_base_retires_the_release_and_the_next_cycle_is_idle(prefect
         p.close()
     counts = ledger_counts(state)
     again = update(config, passing)
-    assert again["outcome"] == "idle" and again["champion"].endswith("-base")
+    assert again.outcome == "idle" and again.champion.endswith("-base")
     assert ledger_counts(state) == counts  # no new versions, decisions or releases
 
 

@@ -56,15 +56,15 @@ def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle
         with pytest.raises(ConfigError, match=says):
             update(config, infeasible)
     first = update(config, impossible)
-    assert first["outcome"] == "rejected" and not first["promoted"] and first["champion"].endswith("-base")
-    assert "REJECTED" in Path(first["report"]).read_text()
-    seconds = first["seconds"]  # wall time per phase, in the order they ran: 4 candidates trained and evaluated
+    assert first.outcome == "rejected" and not first.promoted and first.champion.endswith("-base")
+    assert "REJECTED" in Path(first.report).read_text()
+    seconds = first.seconds  # wall time per phase, in the order they ran: 4 candidates trained and evaluated
     assert list(seconds)[:3] == ["lineage (backbone, ledger, champion chain)", "atlas local", "training"]
     assert sum(k.startswith("evaluate ") and k != "evaluate base" for k in seconds) == 4 and "gate" in seconds
     assert all(v >= 0 for v in seconds.values()) and seconds["training"] > 0
-    timing = Path(first["report"]).read_text().split("## Where the time went")[1]
+    timing = Path(first.report).read_text().split("## Where the time went")[1]
     assert "| training |" in timing and f"| **total** | **{sum(seconds.values()):.1f}** |" in timing
-    steps = first["steps"]  # the steps inside the stages: each answer set, KL per domain, training per candidate
+    steps = first.steps  # the steps inside the stages: each answer set, KL per domain, training per candidate
     assert {
         "backbone load",
         "train atlas s0",
@@ -82,9 +82,9 @@ def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle
     assert "| answers gsm8k |" in timing and "| KL csqa |" in timing
     p = _platform()
     try:
-        model = get_model(p.ledger, first["model"])
+        model = get_model(p.ledger, first.model)
         candidates = [v for v in list_versions(p.ledger, model.id) if not v.is_base]
-        assert len(candidates) == 4 and {v.name for v in candidates} == set(first["candidates"])
+        assert len(candidates) == 4 and {v.name for v in candidates} == set(first.candidates)
         for version in candidates:
             decision = latest_gate_decision(p.ledger, version.id)
             failed = [c for c in decision.checks if not c.passed]
@@ -96,20 +96,20 @@ def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle
 
     _, passing = tiny_files(tmp_path / "cfg", PASSING_POLICY)
     second = update(config, passing)
-    assert second["outcome"] == "promoted" and second["champion"] == second["selected"]
-    assert all(second["candidates"].values()) and second["previous_champion"] == first["champion"]
-    report = Path(second["report"])
+    assert second.outcome == "promoted" and second.champion == second.selected
+    assert all(second.candidates.values()) and second.previous_champion == first.champion
+    report = Path(second.report)
     assert report.is_file() and {"tradeoff.png", "churn.png", "gate.json"} <= {p.name for p in report.parent.iterdir()}
     text = report.read_text()
     assert "PROMOTED" in text and "nfr_upper_vs_champion[gsm8k]" in text and "Comparison with the champion" in text
     with get_client(sync_client=True) as client:  # the harness is shared: other tests' artifacts are there too
         reports = [a for a in client.read_artifacts() if a.key == "update-report"]
-        assert any(second["model"] in (a.description or "") and "PROMOTED" in (a.description or "") for a in reports)
+        assert any(second.model in (a.description or "") and "PROMOTED" in (a.description or "") for a in reports)
     p = _platform()
     try:
-        champion = _champion(p, second["model"])
-        assert champion.name == second["selected"]
-        assert p.bridge.aliases(second["model"])["champion"] == champion.mlflow_version  # MLflow agrees with the ledger
+        champion = _champion(p, second.model)
+        assert champion.name == second.selected
+        assert p.bridge.aliases(second.model)["champion"] == champion.mlflow_version  # MLflow agrees with the ledger
         client = p.bridge.client
         cycle_runs = client.search_runs(
             [e.experiment_id for e in client.search_experiments()], "tags.kind = 'update-cycle'"
@@ -127,7 +127,7 @@ def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle
     assert after["gate_decisions"] == counts["gate_decisions"] + 4 and after["releases"] == counts["releases"] + 1
 
     third = update(config, passing)  # the snapshot is now in the champion's chain: nothing new to teach
-    assert third["outcome"] == "idle" and third["champion"] == second["champion"]
+    assert third.outcome == "idle" and third.champion == second.champion
     assert ledger_counts(state) == after
 
 
@@ -173,19 +173,19 @@ def _kl_per_context_is_recorded_reported_and_logged(p, model, candidates, report
 def test_nan_metric_rejects_and_a_failing_task_is_retried(prefect_harness, state, tmp_path, monkeypatch):
     from prefect.client.orchestration import get_client
 
-    import flows.evaluate as evaluate
-    import flows.runtime as runtime
+    import flows.answers as answers
+    from flows.resources import Resources
     from flows.update import update
     from registry import get_version, latest_evaluation, latest_gate_decision
 
-    real_kl, real_generate, calls = runtime.retained_kl, evaluate._generate, []
+    real_kl, real_generate, calls = Resources.retained_kl, answers._generate, []
 
-    def nan_for_candidates(ctx, applied, refs, member):
+    def nan_for_candidates(res, ctx, applied, refs, member):
         from evaluation.kl import KLResult
 
         if applied.version.is_base:
-            return real_kl(ctx, applied, refs, member)
-        return [KLResult(math.nan, [math.nan] * len(runtime.gate_texts(ctx, member)), 1) for _ in refs]
+            return real_kl(res, ctx, applied, refs, member)
+        return [KLResult(math.nan, [math.nan] * len(res.gate_texts(ctx, member)), 1) for _ in refs]
 
     def fail_once(*args, **kwargs):
         calls.append(1)
@@ -193,16 +193,16 @@ def test_nan_metric_rejects_and_a_failing_task_is_retried(prefect_harness, state
             raise ConnectionError("injected: the scorer's worker went away")
         return real_generate(*args, **kwargs)
 
-    monkeypatch.setattr(runtime, "retained_kl", nan_for_candidates)
-    monkeypatch.setattr(evaluate, "_generate", fail_once)
+    monkeypatch.setattr(Resources, "retained_kl", nan_for_candidates)
+    monkeypatch.setattr(answers, "_generate", fail_once)
     config, policy = tiny_files(tmp_path / "cfg", PASSING_POLICY | {"candidates": {"methods": ["atlas"], "seeds": [0]}})
     result = update(config, policy)
-    assert not result["promoted"] and result["champion"].endswith("-base")
-    assert set(result["candidates"].values()) == {False}
+    assert not result.promoted and result.champion.endswith("-base")
+    assert set(result.candidates.values()) == {False}
 
     p = _platform()
     try:
-        assert _champion(p, result["model"]) is None
+        assert _champion(p, result.model) is None
         for vid in (2, 3):  # the two epoch-end versions (1 is the base)
             decision = latest_gate_decision(p.ledger, vid)
             failed = {c.name: c for c in decision.checks if not c.passed}
@@ -245,14 +245,14 @@ def test_crashed_cycle_resumes_without_duplicates(prefect_harness, state, tmp_pa
     assert partial["checkpoints"] == 3 and partial["training_runs"] == 2 and partial["evaluations"] == 0
 
     result = update(config, policy)
-    assert result["promoted"]
+    assert result.promoted
     counts = ledger_counts(state)
     assert counts["training_runs"] == 2 and counts["checkpoints"] == 4 and counts["versions"] == 5  # 4 + base
     assert counts["releases"] == 1 and counts["gate_decisions"] == 4
 
     p = _platform()
     try:
-        model = get_model(p.ledger, result["model"])
+        model = get_model(p.ledger, result.model)
         published = [v.mlflow_version for v in list_versions(p.ledger, model.id) if not v.is_base]
         mlflow_versions = p.bridge.client.search_model_versions(f"name = '{model.name}'")
         assert sorted(published, key=int) == sorted((str(v.version) for v in mlflow_versions), key=int)  # one each

@@ -23,14 +23,14 @@ def test_two_releases_on_the_default_backbone(prefect_harness, state, tmp_path):
     from registry import alias_holder, get_model, latest_gate_decision, list_versions, version_chain
 
     first = update("configs/update/ci.yaml", "configs/policy/ci.yaml")
-    assert first["model"] == "smollm2-135m.ci-demo" and first["outcome"] == "promoted"
-    assert set(first["candidates"]) == {f"smollm2-135m-code-ci-{m}-s0-e1" for m in ("atlas", "weight-lora")}
-    assert "PROMOTED" in Path(first["report"]).read_text()
+    assert first.model == "smollm2-135m.ci-demo" and first.outcome == "promoted"
+    assert set(first.candidates) == {f"smollm2-135m-code-ci-{m}-s0-e1" for m in ("atlas", "weight-lora")}
+    assert "PROMOTED" in Path(first.report).read_text()
     counts = ledger_counts(state)
     assert counts["atlases"] == 1 and counts["training_runs"] == 2 and counts["gate_decisions"] == 2
     p = open_platform()
     try:
-        model = get_model(p.ledger, first["model"])
+        model = get_model(p.ledger, first.model)
         for v in list_versions(p.ledger, model.id):
             if v.is_base:
                 continue
@@ -44,12 +44,12 @@ def test_two_releases_on_the_default_backbone(prefect_harness, state, tmp_path):
         p.close()
 
     second = update("configs/update/ci-v2.yaml", "configs/policy/ci.yaml")
-    assert second["outcome"] == "promoted" and second["previous_champion"] == first["champion"]
+    assert second.outcome == "promoted" and second.previous_champion == first.champion
     p = open_platform()
     try:
         v2 = alias_holder(p.ledger, model.id)
-        assert v2.name == second["champion"] and v2.skill == "gsm8k-format"
-        assert [v.name for v in version_chain(p.ledger, v2.id)] == [first["champion"], v2.name]  # v2's parent is v1
+        assert v2.name == second.champion and v2.skill == "gsm8k-format"
+        assert [v.name for v in version_chain(p.ledger, v2.id)] == [first.champion, v2.name]  # v2's parent is v1
         checks = {c.name: c for c in latest_gate_decision(p.ledger, v2.id).checks}
         code = checks["no_regression[code-ci]"]  # MBPP+ of the released code skill, champion vs candidate
         assert code.passed and code.measured is not None and "on 4 problems" in code.detail
@@ -58,4 +58,4 @@ def test_two_releases_on_the_default_backbone(prefect_harness, state, tmp_path):
     finally:
         p.close()
     again = update("configs/update/ci.yaml", "configs/policy/ci.yaml")
-    assert again["outcome"] == "idle"  # code's snapshot is already in the champion's chain
+    assert again.outcome == "idle"  # code's snapshot is already in the champion's chain

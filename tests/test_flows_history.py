@@ -143,12 +143,19 @@ def test_each_released_skill_is_measured_against_the_newest_release_that_taught_
     from types import SimpleNamespace as NS
 
     from evaluation.kl import KLResult
-    from flows import evaluate, runtime
+    from flows import evaluate
+    from flows.resources import CURRENT
 
     v1, v2, v3 = (NS(name=n, skill=s) for n, s in (("v1", "a"), ("v2", "b"), ("v3", "a")))
-    ctx = NS(released=(NS(name="a"), NS(name="b")), champion=NS(deltas=(v1, v2, v3)), members=["csqa", "a", "b"])
-    monkeypatch.setattr(runtime, "resolve_applied", lambda v: f"applied {v.name}")
-    teachers = evaluate.teachers(ctx)
+    ctx = NS(
+        released=(NS(name="a"), NS(name="b")),
+        champion=NS(deltas=(v1, v2, v3)),
+        members=["csqa", "a", "b"],
+        platform="here",
+    )
+    res = NS(ref="here", resolve_applied=lambda v: f"applied {v.name}")  # the stages' resources, faked
+    token = CURRENT.set(res)
+    teachers = evaluate.teachers(res, ctx)
     assert teachers == {"a": "applied v3", "b": "applied v2"}  # a was retrained: v3 teaches it now
 
     # one pass per member against base, champion and (for a released skill) its teacher
@@ -158,7 +165,7 @@ def test_each_released_skill_is_measured_against_the_newest_release_that_taught_
         asked[member] = refs
         return [KLResult(kl_of[r], [kl_of[r]], 1) for r in refs]
 
-    monkeypatch.setattr(runtime, "retained_kl", fake_kl)
+    res.retained_kl = fake_kl
     vs_base, vs_champion, vs_teacher = (
         {m: r.mean for m, r in results.items()}
         for results in evaluate.kl_against.fn(ctx, "me", ["base", "champ"], teachers)
@@ -171,3 +178,4 @@ def test_each_released_skill_is_measured_against_the_newest_release_that_taught_
     assert vs_base == {"csqa": 1.0, "a": 1.0, "b": 1.0} and vs_champion == {"csqa": 2.0, "a": 2.0, "b": 2.0}
     assert vs_teacher == {"a": 3.0, "b": 4.0}
     assert evaluate.kl_against.fn(ctx, "me", ["base"])[-1] == {}  # no teachers: an empty last dict
+    CURRENT.reset(token)

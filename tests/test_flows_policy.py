@@ -10,8 +10,10 @@ import pytest
 
 from atlas_core.typed_config import ConfigError, build
 from flows.config import load_update_config
-from flows.gates import CandidateMetrics, Flips, passed, run_checks, select
+from flows.gates import passed, run_checks, select
+from flows.metrics import CandidateMetrics
 from flows.policy import ReleasePolicy, answered_sizes, clopper_pearson_upper, load_policy, wilson_upper
+from registry import Flips
 from tests.flows_fixtures import PASSING_POLICY, write_yaml
 
 DOMAINS = ["gsm8k", "csqa"]
@@ -360,7 +362,7 @@ BAD = [None, math.nan, math.inf, -math.inf, -1, 1e308, 2.5]  # 2.5: not a count
 
 @pytest.mark.parametrize("bound", ["wilson", "clopper-pearson"])
 def test_a_gate_fed_any_value_rejects_and_never_raises(bound):
-    from flows.gates import Regression
+    from flows.metrics import Regression
 
     strict = policy(
         nfr=PASSING_POLICY["nfr"] | {"bound": bound},

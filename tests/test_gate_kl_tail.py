@@ -12,9 +12,11 @@ import pytest
 
 from atlas_core.typed_config import ConfigError, build
 from flows import kl_tail
-from flows.gates import CandidateMetrics, Flips, Regression, passed, run_checks
+from flows.gates import passed, run_checks
 from flows.kl_tail import KLTail, MovedContext
+from flows.metrics import CandidateMetrics, Regression
 from flows.policy import ReleasePolicy, load_policy
+from registry import Flips
 from tests.flows_fixtures import PASSING_POLICY, stored_metrics_from, write_yaml
 
 DOMAINS = ["gsm8k", "csqa"]

@@ -4,7 +4,7 @@ on hand-made paired answers, infeasible policies refused at load, and old stored
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 from scipy import stats as sps
@@ -12,9 +12,10 @@ from scipy import stats as sps
 from atlas_core.typed_config import ConfigError, build
 from evaluation.scorer_base import TargetScorer
 from evaluation.stats import clopper_pearson_upper, mcnemar_exact_p, min_n_for_zero, t_upper, wilson_upper
-from flows.gates import CandidateMetrics, Regression, no_regression_checks
+from flows.gates import no_regression_checks, passed, run_checks
+from flows.metrics import CandidateMetrics, Regression
 from flows.policy import NoRegression, ReleasePolicy, load_policy
-from registry import AnswerRecord
+from registry import AnswerRecord, Flips
 from tests.flows_fixtures import PASSING_POLICY, stored_metrics_from, write_yaml
 
 CONFIDENCES = (0.8, 0.9, 0.95, 0.99)
@@ -135,7 +136,18 @@ def paired(n: int, lost: int, gained: int, solved_by_both: int = 5) -> Regressio
 
 def check(r: Regression, **limits):
     policy = build(ReleasePolicy, PASSING_POLICY | {"no_regression": {"released": limits}})
-    metrics = CandidateMetrics(1, "v1", "atlas", 0, 1, 1, None, 0, None, released={"skill": r})
+    metrics = CandidateMetrics(
+        version_id=1,
+        name="v1",
+        method="atlas",
+        seed=0,
+        epoch=1,
+        step=1,
+        target_solved=None,
+        target_total=0,
+        champion_solved=None,
+        released={"skill": r},
+    )
     (result,) = no_regression_checks(metrics, policy)
     return result
 
@@ -301,3 +313,51 @@ def test_stored_metrics_measures_an_old_evaluation_again(monkeypatch):
     extra["released"] = {"code": asdict(paired(32, lost=1, gained=2))}
     found = stored_metrics_from(monkeypatch, extra)
     assert found is not None and found.released["code"] == paired(32, lost=1, gained=2)
+
+
+# ------------------------------------------------------------------------ n = 0 fails closed
+def test_a_gate_given_no_answered_questions_never_passes():
+    """Flips with n = 0 (nothing compared) have no rates (registry.Flips: None), and the gate reads
+    that as not measured: the NFR checks of those domains fail, and so does the choice churn taken
+    from them, whatever else passes."""
+    watched = ["gsm8k", "csqa"]
+    policy = build(ReleasePolicy, PASSING_POLICY)
+    good = CandidateMetrics(
+        version_id=1,
+        name="v1",
+        method="atlas",
+        seed=0,
+        epoch=1,
+        step=1,
+        target_solved=3,
+        target_total=8,
+        champion_solved=2,
+        kl_vs_base={"gsm8k": 0.01, "csqa": 0.01},
+        kl_vs_champion={"gsm8k": 0.01, "csqa": 0.01},
+        flips_vs_base={"gsm8k": Flips(20, 0, 1, 1), "csqa": Flips(40, 1, 2, 0)},
+        flips_vs_champion={"gsm8k": Flips(20, 0, 0, 1), "csqa": Flips(40, 0, 1, 0)},
+        csqa_choice_churn=Flips(40, 0, 1, 0).churn,
+        target_score=3.0,
+        champion_score=2.0,
+    )
+    assert passed(run_checks(good, policy, watched))  # the same candidate with answers passes
+
+    none = Flips(n=0, F=0, G=0, W=0)
+    assert none.churn is None and none.nfr is None
+    nothing = replace(
+        good,
+        flips_vs_base={d: none for d in watched},
+        flips_vs_champion={d: none for d in watched},
+        csqa_choice_churn=none.churn,
+    )
+    checks = run_checks(nothing, policy, watched)
+    assert not passed(checks)
+    failed = {c.name: c for c in checks if not c.passed}
+    for against in ("vs_champion", "vs_base"):
+        for d in watched:
+            check = failed[f"nfr_upper_{against}[{d}]"]
+            assert check.measured is None and check.detail.startswith("missing"), check
+    assert failed["csqa_choice_churn_vs_champion"].measured is None
+    # One domain without answers is enough to fail.
+    one = replace(good, flips_vs_champion=good.flips_vs_champion | {"gsm8k": none})
+    assert not passed(run_checks(one, policy, watched))

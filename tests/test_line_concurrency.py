@@ -19,7 +19,8 @@ from tests.test_line_sequences import Line, _open, check_line
 
 REPO = Path(__file__).resolve().parent.parent
 CYCLE = (
-    "import json, sys; from flows.update import update; print('RESULT ' + json.dumps(update(sys.argv[1], sys.argv[2])))"
+    "import json, sys; from flows.update import update\n"
+    "print('RESULT ' + json.dumps(update(sys.argv[1], sys.argv[2]).to_dict()))"
 )
 
 

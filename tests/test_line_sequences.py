@@ -170,8 +170,8 @@ class Line:
                 result = update(self.config[skill], self.policies[self.strict])
             except InjectedCrash:
                 return None
-        if result["outcome"] == "idle":
-            assert self.fingerprint() == before, f"an idle cycle wrote something: {result['reason']}"
+        if result.outcome == "idle":
+            assert self.fingerprint() == before, f"an idle cycle wrote something: {result.reason}"
         return result
 
     def cli(self, *args: str) -> int:
@@ -244,7 +244,7 @@ class Line:
             skill, policy_path = finished = self.last_cycle
             assert policy_path == self.policies[self.strict]
             again = self.cycle(skill)
-            assert again["outcome"] == "idle", f"a rerun of a finished cycle was not idle: {again}"
+            assert again.outcome == "idle", f"a rerun of a finished cycle was not idle: {again}"
         elif name == "snapshot":
             self.write_snapshot(with_val=args[0] == "val")
         elif name == "prune":  # a team keeps only the newest snapshot

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from flows.gates import CandidateMetrics, Flips, nfr_checks
+from flows.gates import nfr_checks
+from flows.metrics import CandidateMetrics
 from flows.policy import NfrLimits, ReleasePolicy, wilson_upper
+from registry import Flips
 
 
 def _metrics(floor: dict) -> CandidateMetrics:

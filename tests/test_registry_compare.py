@@ -1,4 +1,5 @@
-"""Version comparison from stored answers, and the release history view."""
+"""Version comparison from stored answers (flows.compare, above the registry), and the release
+history view. (That the registry imports nothing of the project: tests/test_architecture.py.)"""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from mlflow import MlflowClient
 
 import registry as r
+from flows.compare import compare_answers, compare_versions, format_history
 from tests.conftest_registry import (
     gate_pass,
     make_candidates,
@@ -84,7 +86,7 @@ def flips(comparison):
 
 def test_comparison_with_the_base_reports_exactly_the_written_flips(ledger, store):
     _, base, v1, _ = hand_made(ledger, store)
-    c = r.compare_versions(ledger, base.id, v1.id)
+    c = compare_versions(ledger, base.id, v1.id)
     assert (c.version_a, c.version_b) == (base.name, v1.name)
     assert flips(c) == {
         ("gsm8k", "q1", "F", "4", "5"),
@@ -93,10 +95,11 @@ def test_comparison_with_the_base_reports_exactly_the_written_flips(ledger, stor
         ("csqa", "c2", "W", "B", "C"),
     }
     rows = {row.dataset: row for row in c.churn}
-    assert (rows["gsm8k"].flips_f, rows["gsm8k"].flips_g, rows["gsm8k"].flips_w, rows["gsm8k"].n) == (1, 1, 1, 5)
+    gsm8k, csqa = rows["gsm8k"].flips, rows["csqa"].flips
+    assert (gsm8k.F, gsm8k.G, gsm8k.W, gsm8k.n) == (1, 1, 1, 5)
     assert (rows["gsm8k"].only_in_a, rows["gsm8k"].only_in_b) == (0, 1)
-    assert (rows["csqa"].flips_w, rows["csqa"].n, rows["csqa"].only_in_a) == (1, 2, 1)
-    assert rows["all"].churn == pytest.approx(4 / 7) and rows["all"].nfr == pytest.approx(1 / 7)
+    assert (csqa.W, csqa.n, rows["csqa"].only_in_a) == (1, 2, 1)
+    assert rows["all"].flips.churn == pytest.approx(4 / 7) and rows["all"].flips.nfr == pytest.approx(1 / 7)
     metrics = {m.name: m for m in c.metrics}
     assert (
         metrics["target_solved[gsm8k]"].a,
@@ -110,29 +113,29 @@ def test_comparison_with_the_base_reports_exactly_the_written_flips(ledger, stor
 
 def test_comparison_between_two_versions_has_a_direction(ledger, store):
     _, _, v1, v2 = hand_made(ledger, store)
-    forward = r.compare_versions(ledger, v1.id, v2.id)
+    forward = compare_versions(ledger, v1.id, v2.id)
     assert flips(forward) == {
         ("gsm8k", "q1", "G", "5", "4"),
         ("gsm8k", "q4", "F", "1", "2"),
         ("gsm8k", "q5", "W", None, "6"),
     }
-    backward = r.compare_versions(ledger, v2.id, v1.id)
+    backward = compare_versions(ledger, v2.id, v1.id)
     assert flips(backward) == {
         ("gsm8k", "q1", "F", "4", "5"),
         ("gsm8k", "q4", "G", "2", "1"),
         ("gsm8k", "q5", "W", "6", None),
     }
-    total = {row.dataset: row for row in forward.churn}["all"]
-    assert (total.flips_f, total.flips_g, total.flips_w, total.n) == (1, 1, 1, 8)
+    total = {row.dataset: row for row in forward.churn}["all"].flips
+    assert (total.F, total.G, total.W, total.n) == (1, 1, 1, 8)
     delta = {m.name: m.delta for m in forward.metrics}
     assert delta["target_solved[gsm8k]"] == 3 and delta["kl_vs_base[gsm8k]"] == pytest.approx(0.03)
     assert delta["nfr_vs_base"] == pytest.approx(0.0)
-    assert r.compare_versions(ledger, v1.id, v1.id).flips == []
+    assert compare_versions(ledger, v1.id, v1.id).flips == []
 
 
 def test_comparison_outputs(ledger, store, bridge, mlflow_config, tmp_path):
     _, base, v1, _ = hand_made(ledger, store)
-    c = r.compare_versions(ledger, base.id, v1.id)
+    c = compare_versions(ledger, base.id, v1.id)
     as_json = json.loads(c.to_json())
     assert {(f["dataset"], f["question_id"], f["kind"]) for f in as_json["flips"]} == {
         ("gsm8k", "q1", "F"),
@@ -172,16 +175,19 @@ def test_release_history_lists_every_release_with_key_metrics(ledger, store):
     ]
     assert rows[1].max_kl_vs_base == pytest.approx(0.05) and rows[1].nfr_vs_base == pytest.approx(0.2)
     assert rows[2].reason == "KL too high on gsm8k" and rows[0].flow_run_id == "flow-a"
-    text = r.format_history(rows)
+    text = format_history(rows)
     assert "rollback" in text and "KL too high on gsm8k" in text
-    markdown = r.format_history(rows, markdown=True)
+    markdown = format_history(rows, markdown=True)
     assert markdown.count("\n") == 4 and f"| promote | champion | {v2.name} |" in markdown
 
 
-def test_answer_churn_counts_only_paired_questions():
-    rows, found = r.answer_churn({("d", "1"): A("d", "1", "x", True)}, {("d", "2"): A("d", "2", "y", True)})
-    assert found == [] and (rows[0].n, rows[0].only_in_a, rows[0].only_in_b, rows[0].churn) == (0, 1, 1, 0.0)
-    assert r.answer_churn({}, {}) == ([], [])
+def test_compare_answers_counts_only_paired_questions():
+    rows, found = compare_answers({("d", "1"): A("d", "1", "x", True)}, {("d", "2"): A("d", "2", "y", True)})
+    # No paired question: n = 0, and its rates are None (not measured), shown as '-'.
+    row = rows[0]
+    assert found == [] and (row.flips.n, row.only_in_a, row.only_in_b, row.flips.churn) == (0, 1, 1, None)
+    assert rows[0].to_dict()["nfr"] is None
+    assert compare_answers({}, {}) == ([], [])
 
 
 def test_versions_are_found_by_the_names_people_use(ledger, store):
@@ -224,7 +230,7 @@ def test_releases_of_different_skills_never_share_a_target_row(ledger, store):
             },
         ),
     )
-    metrics = {m.name: m for m in r.compare_versions(ledger, v1.id, v2.id).metrics}
+    metrics = {m.name: m for m in compare_versions(ledger, v1.id, v2.id).metrics}
     assert (metrics["target_solved[gsm8k]"].a, metrics["target_solved[gsm8k]"].b) == (12, None)
     assert (metrics["target_solved[format]"].a, metrics["target_solved[format]"].b) == (None, 3)
     assert (metrics["score[format]"].a, metrics["score[format]"].b) == (1.4, 1.1)
@@ -233,5 +239,5 @@ def test_releases_of_different_skills_never_share_a_target_row(ledger, store):
 
     # A base evaluation records the skill it measured; one from before lines is the other side's.
     r.record_evaluation(ledger, r.EvaluationRecord(base.id, 9, 20, [], extra={"skill": "format"}))
-    against_base = {m.name for m in r.compare_versions(ledger, base.id, v1.id).metrics}
+    against_base = {m.name for m in compare_versions(ledger, base.id, v1.id).metrics}
     assert {"target_solved[format]", "target_solved[gsm8k]"} <= against_base

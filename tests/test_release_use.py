@@ -77,9 +77,9 @@ def line(prefect_harness, tmp_path_factory):
         }
         first = update(write_yaml(tmp / "a.yaml", code), write_yaml(tmp / "p1.yaml", _policy("p1", "atlas")))
         second = update(write_yaml(tmp / "b.yaml", math), write_yaml(tmp / "p2.yaml", _policy("p2", "weight-lora")))
-        assert first["promoted"] and second["promoted"], (first, second)
+        assert first.promoted and second.promoted, (first, second)
         mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp / 'state' / 'mlflow' / 'mlflow.db'}")
-        yield {"state": tmp / "state", "v1": first["champion"], "v2": second["champion"], "tmp": tmp}
+        yield {"state": tmp / "state", "v1": first.champion, "v2": second.champion, "tmp": tmp}
 
 
 def _ids() -> torch.Tensor:
@@ -88,15 +88,16 @@ def _ids() -> torch.Tensor:
 
 @torch.no_grad()
 def platform_logits(version: str, ids: torch.Tensor) -> torch.Tensor:
-    """The cycle's own adapted model: flows.runtime's verified chain on its backbone."""
-    from flows import runtime
+    """The cycle's own adapted model: flows.resources' verified chain on its backbone."""
+    from flows.platform import PlatformRef
+    from flows.resources import scope
     from registry import get_model, resolve_version
 
-    with runtime.session():
-        v = resolve_version(runtime.ledger(), get_model(runtime.ledger(), MODEL).id, version)
-        applied = runtime.resolve_applied(v)
-        model = runtime.load_backbone("tiny-llama", "float32").model
-        with runtime.chain(applied).attached(model):
+    with scope(PlatformRef.from_environment()) as res:
+        v = resolve_version(res.ledger, get_model(res.ledger, MODEL).id, version)
+        applied = res.resolve_applied(v)
+        model = res.load_backbone("tiny-llama", "float32").model
+        with res.chain(applied).attached(model):
             return model(ids).logits
 
 

@@ -71,10 +71,10 @@ def line(prefect_harness, tmp_path_factory):
         from flows.update import update
 
         first = update(write_yaml(tmp / "a.yaml", CODE), write_yaml(tmp / "p.yaml", POLICY))
-        assert first["promoted"], first
+        assert first.promoted, first
         yield {
             "state": tmp / "state",
-            "v1": first["champion"],
+            "v1": first.champion,
             "tmp": tmp,
             "config": write_yaml(tmp / "b.yaml", MATH),
             "policy": str(tmp / "p.yaml"),
@@ -225,15 +225,16 @@ def whole_forward_kl(line, reference, model) -> float:
     submitted LoRA changes layer 0, so no prefix below it may be cached (ctx.kl_layer = -1)."""
     import torch.nn.functional as F
 
-    from flows import runtime
     from flows.config import load_update_config
+    from flows.lineage import resolve_lineage
+    from flows.platform import PlatformRef
     from flows.policy import load_policy
-    from flows.update import resolve_lineage
+    from flows.resources import scope
 
-    cfg = load_update_config(line["config"])
-    with runtime.session():
-        texts = runtime.gate_texts(resolve_lineage(cfg, load_policy(line["policy"])), "csqa")
-        tokenizer = runtime.load_backbone("tiny-llama", "float32").tokenizer
+    cfg, ref = load_update_config(line["config"]), PlatformRef.from_environment()
+    with scope(ref) as res:
+        texts = res.gate_texts(resolve_lineage(cfg, load_policy(line["policy"]), ref), "csqa")
+        tokenizer = res.load_backbone("tiny-llama", "float32").tokenizer
     total, positions = 0.0, 0
     for text in texts:
         ids = torch.tensor(

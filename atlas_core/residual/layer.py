@@ -31,6 +31,8 @@ CENTERED = ("centered", "centered-distance")
 
 
 class AtlasResidual(nn.Module):
+    kind = "adapter"  # the kind of its files (save_adapter): frozen deltas are dispatched on it (atlas_core.methods)
+
     def __init__(self, config: ResidualConfig, dim: int, atlas: Atlas | None = None, calibrate: bool = True):
         """`calibrate=False`: leave s / s_d unset (NaN) for a caller that loads them (saved adapters)."""
         super().__init__()

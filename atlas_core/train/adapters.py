@@ -1,12 +1,16 @@
-"""What the trainer trains: a residual at layer l's output, or (lora.py) LoRA inside layer l.
+"""What the trainer trains: a residual at layer l's output, or (lora.py) LoRA inside layer l, or
+any registered method's trainable delta (atlas_core.methods).
 
-Both expose the same small interface so one training loop serves every method:
+All expose the same small interface so one training loop serves every method:
     cache_layer             the layer whose output the prefix cache holds (None: no cache possible)
     named_trainable()       [(name, parameter)] in a fixed order (optimizer state is saved by name)
     hidden(model, batch_ids, mask, cached=None, enabled=True)
                             final hidden states; from the cache if given, else a full forward;
                             enabled=False gives the frozen f0 (the Output-KL teacher)
     save(path, meta) / load_weights(path)
+    to(device), describe()  the run key's description of the adapter
+    optional: budget() (rank and trainable count, for the summary), penalty() (a regulariser
+    the objective adds once per step), remove() (take it out of the model)
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import methods
 from ..io import IntegrityError, expect_shape, load_verified
 from ..residual import AtlasResidual, attach, save_adapter
 from .prefix_cache import full_hidden, upper_hidden
@@ -97,13 +102,8 @@ def as_adapter(obj):
 
 
 def build_adapter(config, model: nn.Module, atlas=None, stats=None):
-    """A fresh adapter for a `RunConfig`: the residual variant it names, or a weight adapter
-    (Weight-LoRA or the baseline `config.lora.method` names, installed into `model` in place;
-    `remove()` takes it out). `stats`: the retained statistics some baselines need
-    (atlas_core.train.retained_stats), else the file `config.lora.stats` names."""
-    from ..residual import build_residual
-    from .baselines import build_weight_adapter
-
-    if config.adapter == "weight-lora":
-        return build_weight_adapter(config, model, stats)
-    return build_residual(config.residual_config(), model, atlas)
+    """A fresh adapter for a `RunConfig`, built by the method it names (atlas_core.methods): a
+    residual variant, or a weight adapter (Weight-LoRA or the baseline `config.lora.method` names,
+    installed into `model` in place; `remove()` takes it out), or a plugin's. `stats`: the retained
+    statistics some baselines need (atlas_core.train.retained_stats), else the file `config.lora.stats` names."""
+    return methods.method_for(config).build(config, model, atlas=atlas, stats=stats)

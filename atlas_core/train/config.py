@@ -5,8 +5,13 @@
       residual: ResidualOptions    options of the residual variants (scale, alpha, top_n)
       lora: LoRAOptions            options of the weight adapters (alpha, target, method: Weight-LoRA or a
                                    published baseline, each with its options block; docs/BASELINES.md)
+      options                      the options of a method that keeps its own block (a plugin's)
       train: TrainConfig           optimisation, data handling, checkpoints
-        objective: ObjectiveConfig   ce | replay | output-kl | stm | talr and their weights
+        objective: ObjectiveConfig   ce | replay | output-kl | stm | talr (or a registered one) and their weights
+
+What `adapter` (and for weight adapters `lora.method`) may name, and `train.objective.kind`, is
+what atlas_core.methods has registered; each method module declares its own options dataclass
+(the built-in ones keep the blocks above, so their files and run keys are unchanged).
 
 `load_run_config("configs/train/atlas.yaml")` parses and validates a file; a typo or a
 wrong type is an error such as `train.lr: expected a number, got 'fast'`.
@@ -14,18 +19,38 @@ wrong type is an error such as `train.lr: expected a number, got 'fast'`.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..residual import RESIDUAL_VARIANTS, ResidualConfig
+from .. import methods
+from ..io import config_hash
+from ..methods import WEIGHT_ADAPTER, NoOptions
+from ..methods.residual import ResidualOptions, residual_config
+from ..residual import ResidualConfig
 from ..typed_config import ConfigError, build, load_yaml
+from .baselines.clora import CLoRAOptions
+from .baselines.lora_null import LoRANullOptions
+from .baselines.olora import OLoRAOptions
+from .baselines.oplora import OPLoRAOptions
 
-ADAPTERS = tuple(RESIDUAL_VARIANTS) + ("weight-lora",)
-OBJECTIVES = ("ce", "replay", "output-kl", "stm", "talr")
-WEIGHT_METHODS = ("weight-lora", "lora-null", "oplora", "o-lora", "corda-kpm", "clora", "toplora")
-NEEDS_STATS = ("lora-null", "corda-kpm")  # and o-lora with past: pca
+__all__ = [
+    "BAD_EXAMPLE_POLICIES",
+    "SCHEDULES",
+    "CLoRAOptions",
+    "ConfigError",
+    "LoRANullOptions",
+    "LoRAOptions",
+    "OLoRAOptions",
+    "OPLoRAOptions",
+    "ObjectiveConfig",
+    "ResidualOptions",
+    "RunConfig",
+    "TrainConfig",
+    "config_hash",
+    "load_run_config",
+]
+
+DEFAULT_ADAPTER = "atlas"
 SCHEDULES = ("constant", "cosine", "linear")
 BAD_EXAMPLE_POLICIES = ("raise", "skip", "truncate")
 
@@ -41,9 +66,9 @@ def _factory(text: str, factory):
 @dataclass
 class ObjectiveConfig:
     kind: str = _help(
-        f"One of {OBJECTIVES}: target cross-entropy only; + LM loss on retained examples (Replay); "
-        "+ beta * KL(f0 || f) on retained contexts (Output-KL); CE without the response tokens whose "
-        "f0 perplexity exceeds stm_tau (STM); CE reweighted token-wise by the current model's NLL (TALR).",
+        "A registered objective (atlas_core.methods): ce = target cross-entropy only; replay = + LM loss on "
+        "retained examples; output-kl = + beta * KL(f0 || f) on retained contexts; stm = CE without the response "
+        "tokens whose f0 perplexity exceeds stm_tau; talr = CE reweighted token-wise by the current model's NLL.",
         "ce",
     )
     ratio: float = _help("Retained examples drawn per target example in each micro-batch (Replay and Output-KL).", 0.5)
@@ -57,7 +82,7 @@ class ObjectiveConfig:
     stm_tau: float = _help("STM: drop every response token whose f0 perplexity exceeds this (NLL > ln stm_tau).", 2.5)
 
     def __post_init__(self) -> None:
-        _choice("kind", self.kind, OBJECTIVES)
+        _choice("kind", self.kind, methods.objective_kinds())
         for name in ("ratio", "replay_weight", "beta"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: expected a positive number, got {getattr(self, name)!r}")
@@ -68,12 +93,17 @@ class ObjectiveConfig:
 
     @property
     def uses_retained(self) -> bool:
-        return self.kind in ("replay", "output-kl")
+        """Whether the objective needs retained data (TrainData.retained)."""
+        return methods.objective(self.kind).uses_retained
 
     def to_dict(self) -> dict:
+        """A field only one objective reads (its `own_fields`, e.g. STM's stm_tau) is left out of the
+        others' dicts: fields added for one objective leave the other objectives' run hashes as they were."""
         d = asdict(self)
-        if self.kind != "stm":  # a field added for STM leaves the other objectives' run hashes as they were
-            d.pop("stm_tau")
+        for kind in methods.objective_kinds():
+            if kind != self.kind:
+                for name in methods.objective(kind).own_fields:
+                    d.pop(name, None)
         return d
 
 
@@ -152,75 +182,6 @@ class TrainConfig:
 
 
 @dataclass
-class ResidualOptions:
-    scale: float | str = _help("s in rho = ||z|| / (||z|| + s): a number or 'calibrated'.", 64.0)
-    alpha: float = _help("Filter strength in [0, 1].", 1.0)
-    top_n: int = _help("Charts each token is routed to.", 4)
-
-    def __post_init__(self) -> None:  # the same rules as ResidualConfig, checked whatever the adapter
-        if self.scale != "calibrated" if isinstance(self.scale, str) else not self.scale > 0:
-            raise ConfigError(f"scale: expected a positive number or 'calibrated', got {self.scale!r}")
-        if not 0 <= self.alpha <= 1:
-            raise ConfigError(f"alpha: expected a value in [0, 1], got {self.alpha!r}")
-        if self.top_n < 1:
-            raise ConfigError(f"top_n: expected a positive integer, got {self.top_n!r}")
-
-
-@dataclass
-class LoRANullOptions:
-    mode: str = _help(
-        "v1: train A and B; v2: freeze A (its null-space init) and train B only, at rank 2r to match the budget.", "v1"
-    )
-
-    def __post_init__(self) -> None:
-        _choice("mode", self.mode, ("v1", "v2"))
-
-
-@dataclass
-class OPLoRAOptions:
-    k: int = _help("Top-k singular triples of W kept exactly (the paper runs 16 and 128).", 16)
-
-    def __post_init__(self) -> None:
-        if self.k < 1:
-            raise ConfigError(f"k: expected a positive integer, got {self.k!r}")
-
-
-@dataclass
-class OLoRAOptions:
-    lambda1: float = _help("Weight of sum |A_past A^T| (the paper: 0.5).", 0.5)
-    past: str = _help(
-        "The frozen past subspace: 'pca' = top-r eigenvectors of the retained input covariance "
-        "(choice, one update); 'files' = the lora_A of earlier adapters (past_files).",
-        "pca",
-    )
-    past_files: list[str] = _factory("Weight-adapter files whose lora_A rows form A_past (past: files).", list)
-
-    def __post_init__(self) -> None:
-        _choice("past", self.past, ("pca", "files"))
-        if self.lambda1 < 0:
-            raise ConfigError(f"lambda1: expected >= 0, got {self.lambda1!r}")
-        if self.past == "files" and not self.past_files:
-            raise ConfigError("past_files: past 'files' needs at least one adapter file")
-        for i, path in enumerate(self.past_files):
-            if not path.strip():
-                raise ConfigError(f"past_files[{i}]: expected the path of a weight-adapter file, got {path!r}")
-
-
-@dataclass
-class CLoRAOptions:
-    lam: float = _help("Weight lambda of R = 1/2 ||A P_A||^2 + 1/2 ||B^T P_B||^2 (the paper: 1).", 1.0)
-    k: int | None = _help(
-        "Columns of the random orthonormal P_A, P_B (null: min(512, d // 2), d = min(d_in, d_out)).", None
-    )
-
-    def __post_init__(self) -> None:
-        if self.lam < 0:
-            raise ConfigError(f"lam: expected a number >= 0, got {self.lam!r}")
-        if self.k is not None and self.k < 1:
-            raise ConfigError(f"k: expected a positive integer or null, got {self.k!r}")
-
-
-@dataclass
 class LoRAOptions:
     alpha: float = _help(
         "LoRA scaling numerator: the update is (alpha / rank) * B A x. alpha = rank gives scale 1.", 16.0
@@ -229,83 +190,103 @@ class LoRAOptions:
         "Name of the projection inside decoder layer l to adapt (the attention output projection).", "self_attn.o_proj"
     )
     method: str = _help(
-        f"One of {WEIGHT_METHODS}: plain LoRA, or a published weight-adapter baseline "
-        "(docs/BASELINES.md). rank is the budget rank r; lora-null v2 runs at 2r, toplora at round(2r/3).",
-        "weight-lora",
+        "A registered weight-adapter method (atlas_core.methods): weight-lora (plain LoRA), or a published "
+        "weight-adapter baseline: lora-null, oplora, o-lora, corda-kpm, clora, toplora (docs/BASELINES.md). "
+        "rank is the budget rank r; lora-null v2 runs at 2r, toplora at round(2r/3).",
+        WEIGHT_ADAPTER,
     )
     stats: str | None = _help(
         "Retained statistics file (atlas_core.train.retained_stats) for lora-null, corda-kpm and "
         "o-lora with past 'pca'; null: the caller passes them to build_adapter.",
         None,
     )
+    # The built-in baselines' options blocks (each declared by its method's module).
     lora_null: LoRANullOptions = _factory("LoRA-Null options.", LoRANullOptions)
     oplora: OPLoRAOptions = _factory("OPLoRA options.", OPLoRAOptions)
     o_lora: OLoRAOptions = _factory("O-LoRA options.", OLoRAOptions)
     clora: CLoRAOptions = _factory("CLoRA options.", CLoRAOptions)
 
     def __post_init__(self) -> None:
-        _choice("method", self.method, WEIGHT_METHODS)
+        _choice("method", self.method, methods.weight_method_names())
         if not self.alpha > 0:
             raise ConfigError(f"alpha: expected a positive number, got {self.alpha!r}")
         _nonempty(self, "target", "stats")
 
     @property
     def needs_stats(self) -> bool:
-        return self.method in NEEDS_STATS or (self.method == "o-lora" and self.o_lora.past == "pca")
+        """Whether the method needs the retained statistics with these options."""
+        return methods.get(self.method).stats_needed(self)
 
     def to_dict(self) -> dict:
-        """Plain Weight-LoRA keeps the dict (and run keys) it always had; a baseline adds its method,
-        the stats file and its own options block."""
-        d = {"alpha": self.alpha, "target": self.target}
-        if self.method == "weight-lora":
-            return d
-        block = {"lora-null": "lora_null", "oplora": "oplora", "o-lora": "o_lora", "clora": "clora"}.get(self.method)
-        return (
-            d | {"method": self.method, "stats": self.stats} | ({block: asdict(getattr(self, block))} if block else {})
-        )
+        """As the method puts it into run keys: plain Weight-LoRA keeps the dict it always had; a
+        baseline adds its method, the stats file and its own options block."""
+        return methods.get(self.method).lora_dict(self)
 
 
 @dataclass
 class RunConfig:
     backbone: str = _help("Backbone alias, hub id or folder (see atlas_core.backbone.load_backbone).", "smollm2-135m")
     adapter: str = _help(
-        f"What trains, one of {ADAPTERS}: a residual variant, or a weight adapter on layer l's o_proj "
-        "(lora.method: Weight-LoRA or a published baseline).",
-        "atlas",
+        "What trains: a registered method (atlas_core.methods): a residual variant (plain, centered, "
+        "centered-distance, input-filter, atlas, global-pca, random-local, shuffled-patch), weight-lora (a weight "
+        "adapter on layer l's o_proj; lora.method: Weight-LoRA or a published baseline), or a plugin's.",
+        DEFAULT_ADAPTER,
     )
     layer: int = _help("Decoder layer l (-1: the middle layer L // 2).", -1)
     rank: int = _help("r: rank of the residual factors or of the LoRA factors (same parameter budget 2*d*r).", 16)
     atlas: str | None = _help("Path of the atlas (.safetensors) for variants that need one.", None)
     residual: ResidualOptions = _factory("Options of the residual variants.", ResidualOptions)
     lora: LoRAOptions = _factory("Options of the weight adapters (adapter: weight-lora).", LoRAOptions)
+    options: NoOptions = _factory(
+        "Options of a method that keeps them in a block of its own (a plugin's): its options dataclass "
+        "(atlas_core.methods.Method.options_cls); empty for the built-in methods.",
+        NoOptions,
+    )
     train: TrainConfig = _factory("Optimisation, data handling and checkpoints.", TrainConfig)
 
     def __post_init__(self) -> None:
-        _choice("adapter", self.adapter, ADAPTERS)
+        _choice("adapter", self.adapter, methods.adapter_names())
         _nonempty(self, "backbone", "atlas")
         if self.rank < 1:
             raise ConfigError(f"rank: expected a positive integer, got {self.rank!r}")
         if self.layer < -1:
             raise ConfigError(f"layer: expected -1 (middle) or a layer index >= 0, got {self.layer!r}")
-        if self.adapter != "weight-lora" and RESIDUAL_VARIANTS[self.adapter] is not None and self.atlas is None:
+        method = methods.method_for(self)
+        if method.atlas_variant is not None and self.atlas is None:
             raise ConfigError(f"atlas: adapter {self.adapter!r} needs an atlas file, got none")
-        if self.adapter != "weight-lora":
-            self.residual_config()  # validates the residual options now, not at build time
-            if self.lora.method != "weight-lora":
-                raise ConfigError(f"lora.method: {self.lora.method!r} is a weight adapter; set adapter: weight-lora")
+        method.check(self)
+        if not method.weight_adapter and self.lora.method != WEIGHT_ADAPTER:
+            raise ConfigError(f"lora.method: {self.lora.method!r} is a weight adapter; set adapter: weight-lora")
+        self.options = method.parse_options(self.options)
+
+    @classmethod
+    def field_types(cls, data: dict) -> dict:
+        """typed_config: `options` is the options dataclass of the method the document names."""
+        lora = data.get("lora")
+        adapter = data.get("adapter", DEFAULT_ADAPTER)
+        lora_method = lora.get("method", WEIGHT_ADAPTER) if isinstance(lora, dict) else WEIGHT_ADAPTER
+        if not isinstance(adapter, str) or not isinstance(lora_method, str):
+            return {}  # the field's own check names it
+        _choice("adapter", adapter, methods.adapter_names())  # before the options it decides
+        name = methods.method_name(adapter, lora_method)
+        method = methods.get(name) if name in methods.names() else None
+        if method is None or method.options_at != "options" or method.options_cls is None:
+            return {}
+        return {"options": method.options_cls}
+
+    @property
+    def method(self) -> str:
+        """The name of the method that trains (atlas_core.methods): `adapter`, or `lora.method` for weight-lora."""
+        return methods.method_name(self.adapter, self.lora.method)
 
     def residual_config(self) -> ResidualConfig:
-        if self.adapter == "weight-lora":
-            raise ConfigError("adapter: 'weight-lora' has no residual config")
-        try:
-            return ResidualConfig(
-                variant=self.adapter, layer=self.layer, rank=self.rank, seed=self.train.seed, **asdict(self.residual)
-            )
-        except ValueError as e:
-            raise ConfigError(f"residual.{e}") from e
+        return residual_config(self)
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"lora": self.lora.to_dict(), "train": self.train.to_dict()}
+        d = asdict(self) | {"lora": self.lora.to_dict(), "train": self.train.to_dict()}
+        if not d["options"]:  # the built-in methods' dicts (and run keys) stay as they were
+            d.pop("options")
+        return d
 
 
 # ------------------------------------------------------------------------------ loading
@@ -329,8 +310,3 @@ def load_run_config(path: str | Path) -> RunConfig:
         return build(RunConfig, data)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from e
-
-
-def config_hash(*parts) -> str:
-    """sha256 of the canonical JSON of `parts` (dicts, lists, strings)."""
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()

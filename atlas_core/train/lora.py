@@ -11,7 +11,7 @@ The model is modified in place (PEFT swaps the projection for a LoRA wrapper);
 The weight-adapter baselines (atlas_core/train/baselines/) are subclasses: they change the
 initialisation, freeze a factor, add a regulariser (`penalty`) or change the LoRA branch with
 hooks on PEFT's lora_A / lora_B (`_hook`). Each saves the update it makes to the ORIGINAL
-weight as LoRA factors (`delta_factors`), so atlas_core.chain.FrozenLoRA applies any of them.
+weight as LoRA factors (`delta_factors`), so atlas_core.lora_delta.FrozenLoRA applies any of them.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ class WeightLoRA:
     @torch.no_grad()
     def delta_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(A' (r', d_in), B' (d_out, r')) with  W_adapted = W + scaling * B' A'  for the ORIGINAL W:
-        what a chain applies (atlas_core.chain.FrozenLoRA). Plain LoRA: its own factors."""
+        what a chain applies (atlas_core.lora_delta.FrozenLoRA). Plain LoRA: its own factors."""
         return self.lora_A, self.lora_B
 
     def save(self, path: str | Path, meta: dict) -> dict:
@@ -247,7 +247,7 @@ class WeightLoRA:
     @classmethod
     def load(cls, path: str | Path, model: nn.Module) -> "WeightLoRA":
         """Attach a saved Weight-LoRA to `model` (in place; `remove()` undoes it). A baseline's file is
-        applied frozen by atlas_core.chain.FrozenLoRA, or loaded into a rebuilt adapter (`load_weights`)."""
+        applied frozen by atlas_core.lora_delta.FrozenLoRA, or loaded into a rebuilt adapter (`load_weights`)."""
         _, manifest = load_verified(path, kind="weight-lora")
         if manifest.get("method", "weight-lora") != "weight-lora":
             raise IntegrityError(f"{path}: a {manifest['method']!r} adapter; rebuild it and call load_weights")

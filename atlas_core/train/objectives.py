@@ -1,23 +1,31 @@
-"""Losses: target cross-entropy on response tokens, and the retained-data terms of the
-objective baselines (spec section 4):
+"""Losses: the objectives the trainer's loop calls, registered with atlas_core.methods by kind
+(the run config's `train.objective.kind`). This module defines the base and the spec's
+objectives (section 4); STM and TALR live in atlas_core/train/baselines/.
 
     ce          L = CE(target responses)
     replay      L = CE(target responses) + replay_weight * CE(retained text)
     output-kl   L = CE(target responses) + beta * KL(f0 || f) on retained contexts
 
 Every term is a sum over supervised positions divided by the positions of the whole
-optimizer step (all its micro-batches), so gradient accumulation equals one large batch.
+optimizer step (all its micro-batches), so gradient accumulation equals one large batch; the
+trained delta's regulariser (`adapter.penalty()`: O-LoRA, CLoRA) is added once per step.
 f0 is frozen, so its log-probabilities on the retained contexts are cached once when they
 fit in `teacher_cache_mib`; otherwise they are recomputed each step without gradients.
+
+An objective plugin subclasses `Objective` (overriding `target_batch`, `target_sum`,
+`extra_term` or `losses` itself) and registers it: `atlas_core.methods.register_objective(cls)`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ObjectiveConfig
+from ..methods import register_objective
 from .data import Batch, TokenizedSet, collate, retained_indices
 from .prefix_cache import PrefixCache, head_logits
 
@@ -55,61 +63,141 @@ def mean_loss(
     return total / count
 
 
-class RetainedTerm:
-    """The retained-data term of Replay or Output-KL for one run."""
+@dataclass
+class Run:
+    """What an objective sees of one training run."""
 
-    def __init__(
-        self,
-        config: ObjectiveConfig,
-        data: TokenizedSet,
-        cache: PrefixCache | None,
-        batch_size: int,
-        seed: int,
-        pad_id: int,
-    ):
-        self.config, self.data, self.cache, self.seed, self.pad_id = config, data, cache, seed, pad_id
-        self.per_batch = max(1, round(config.ratio * batch_size))
-        self.weight = config.replay_weight if config.kind == "replay" else config.beta
+    model: nn.Module
+    adapter: object  # the trainer's adapter interface (atlas_core.train.adapters)
+    data: object  # atlas_core.train.trainer.TrainData
+    caches: dict[str, PrefixCache]
+    config: object  # atlas_core.train.config.TrainConfig
+    batches_per_epoch: int
+
+    def cache(self, name: str) -> PrefixCache | None:
+        return self.caches.get(name)
+
+
+class Objective:
+    """The loss of one training run, built from its ObjectiveConfig (`config`); kind "ce" itself."""
+
+    kind = "ce"
+    uses_retained = False  # needs TrainData.retained
+    own_fields: tuple[str, ...] = ()  # ObjectiveConfig fields only this kind reads (kept out of the others' run keys)
+
+    def __init__(self, config) -> None:
+        self.config = config
+
+    def setup(self, run: Run) -> dict:
+        """Once before the first step (also on resume); returns TrainSummary fields to set."""
+        return {}
+
+    def target_batch(self, batch: Batch) -> Batch:
+        """The target micro-batch as the loss sees it."""
+        return batch
+
+    def target_sum(self, run: Run, batch: Batch) -> torch.Tensor:
+        """Unnormalised loss of a target micro-batch: the sum over its supervised positions."""
+        return ce_sum(run.model, run.adapter, batch, run.cache("train"))
+
+    def extra_term(self, run: Run, group: list[tuple[int, Batch]], epoch: int) -> Callable[[int], torch.Tensor] | None:
+        """A second term of the step (retained data): k -> its weighted value for micro-batch k; None: none."""
+        return None
+
+    def losses(self, run: Run, group: list[tuple[int, Batch]], epoch: int) -> Iterator[torch.Tensor]:
+        """One loss per micro-batch of the optimizer step `group` ([(micro-batch index in the epoch, Batch)]);
+        the trainer backpropagates each before asking for the next."""
+        batches = [self.target_batch(b) for _, b in group]
+        n_target = max(1, sum(b.num_targets for b in batches))  # STM may drop every token of a step
+        extra = self.extra_term(run, group, epoch)
+        penalty = getattr(run.adapter, "penalty", lambda: None)
+        for k, batch in enumerate(batches):
+            loss = self.target_sum(run, batch) / n_target
+            if extra is not None:
+                loss = loss + extra(k)
+            if k == 0 and (reg := penalty()) is not None:  # once per optimizer step
+                loss = loss + reg
+            yield loss
+
+
+class Replay(Objective):
+    """+ replay_weight * CE on retained examples, `ratio` of them per target example in each micro-batch."""
+
+    kind = "replay"
+    uses_retained = True
+    all_positions = False  # retained examples are supervised where their targets say
+
+    @property
+    def weight(self) -> float:
+        return self.config.replay_weight
+
+    def setup(self, run: Run) -> dict:
+        self.per_batch = max(1, round(self.config.ratio * run.config.batch_size))
+        return {}
+
+    def retained_batch(self, run: Run, micro_step: int) -> Batch:
+        data = run.data.retained
+        index = retained_indices(len(data), self.per_batch, run.config.seed, micro_step)
+        return collate(data, index, run.data.pad_id, all_positions=self.all_positions)
+
+    def retained_sum(self, run: Run, batch: Batch) -> torch.Tensor:
+        """Unweighted sum over the batch's positions."""
+        logits, targets = selected_logits(run.model, run.adapter, batch, run.cache("retained"))
+        return F.cross_entropy(logits, targets, reduction="sum")
+
+    def extra_term(self, run: Run, group: list[tuple[int, Batch]], epoch: int) -> Callable[[int], torch.Tensor]:
+        extra = [self.retained_batch(run, epoch * run.batches_per_epoch + j) for j, _ in group]
+        n_extra = sum(b.num_targets for b in extra)
+        return lambda k: self.weight * self.retained_sum(run, extra[k]) / n_extra
+
+
+class OutputKL(Replay):
+    """+ beta * KL(f0 || f) at every position of retained contexts."""
+
+    kind = "output-kl"
+    all_positions = True
+
+    @property
+    def weight(self) -> float:
+        return self.config.beta
+
+    def setup(self, run: Run) -> dict:
+        super().setup(run)
         self.teacher: list[torch.Tensor] | None = None
-
-    def batch(self, micro_step: int) -> Batch:
-        index = retained_indices(len(self.data), self.per_batch, self.seed, micro_step)
-        return collate(self.data, index, self.pad_id, all_positions=self.config.kind == "output-kl")
+        vocab_size = run.model.get_output_embeddings().weight.shape[0]
+        return {"teacher_cached": self.cache_teacher(run, vocab_size)}
 
     @torch.no_grad()
-    def cache_teacher(self, model: nn.Module, adapter, vocab_size: int) -> bool:
+    def cache_teacher(self, run: Run, vocab_size: int) -> bool:
         """Cache f0's log-probs at every real retained position if they fit; returns whether cached."""
-        if self.config.kind != "output-kl":
-            return False
-        positions = int(self.data.lengths.sum())
+        data = run.data.retained
+        positions = int(data.lengths.sum())
         if positions * vocab_size * 4 > self.config.teacher_cache_mib * 2**20:
             return False
-        teacher: list[torch.Tensor | None] = [None] * len(self.data)
-        for start in range(0, len(self.data), 8):
-            index = list(range(start, min(start + 8, len(self.data))))
-            batch = collate(self.data, index, self.pad_id, all_positions=True)
-            logp = self._teacher_logp(model, adapter, batch)
+        teacher: list[torch.Tensor | None] = [None] * len(data)
+        for start in range(0, len(data), 8):
+            index = list(range(start, min(start + 8, len(data))))
+            batch = collate(data, index, run.data.pad_id, all_positions=True)
+            logp = self._teacher_logp(run, batch)
             counts = (batch.targets != -100).sum(1).tolist()
             for i, chunk in zip(index, logp.split(counts)):
                 teacher[i] = chunk.cpu()
         self.teacher = teacher
         return True
 
-    def _teacher_logp(self, model, adapter, batch: Batch) -> torch.Tensor:
+    def _teacher_logp(self, run: Run, batch: Batch) -> torch.Tensor:
         with torch.no_grad():
-            logits, _ = selected_logits(model, adapter, batch, self.cache, enabled=False)
+            logits, _ = selected_logits(run.model, run.adapter, batch, run.cache("retained"), enabled=False)
         return torch.log_softmax(logits, -1)
 
-    def positions(self, batch: Batch) -> int:
-        return batch.num_targets
-
-    def loss_sum(self, model: nn.Module, adapter, batch: Batch) -> torch.Tensor:
-        """Unweighted sum over the batch's positions: CE (Replay) or KL(f0 || f) (Output-KL)."""
-        logits, targets = selected_logits(model, adapter, batch, self.cache)
-        if self.config.kind == "replay":
-            return F.cross_entropy(logits, targets, reduction="sum")
+    def retained_sum(self, run: Run, batch: Batch) -> torch.Tensor:
+        logits, _ = selected_logits(run.model, run.adapter, batch, run.cache("retained"))
         if self.teacher is not None:
             p0 = torch.cat([self.teacher[i] for i in batch.index]).to(logits.device)
         else:
-            p0 = self._teacher_logp(model, adapter, batch)
+            p0 = self._teacher_logp(run, batch)
         return F.kl_div(torch.log_softmax(logits, -1), p0, log_target=True, reduction="sum")
+
+
+for _objective in (Objective, Replay, OutputKL):
+    register_objective(_objective)

@@ -28,9 +28,8 @@ import torch
 from torch import nn
 
 from ..backbone import decoder_layers
-from ..io import IntegrityError, expect_shape, load_verified, save_verified
+from ..io import IntegrityError, config_hash, expect_shape, load_verified, save_verified
 from ..paths import state_dir
-from .config import config_hash
 from .data import TokenizedSet
 
 STATS_FORMAT = 1

@@ -11,10 +11,11 @@ steps) and resumes from its newest complete checkpoint: data order is a pure fun
 (seed, epoch) and the optimizer state is restored, so a resumed run ends with the same
 weights as an uninterrupted one.
 
-A weight baseline's regulariser (`adapter.penalty()`: O-LoRA, CLoRA) is added once per
-optimizer step. STM drops its f0-masked tokens from the target batches; TALR reweights the
-target tokens every step (atlas_core.train.baselines). The summary prints every method's
-rank and trainable count next to the spec's budget.
+Every step asks the run's objective (atlas_core.train.objectives, registered by kind with
+atlas_core.methods: ce, replay, output-kl, stm, talr or a plugin's) for one loss per micro-batch,
+and backpropagates each; the objective adds the trained delta's regulariser (`adapter.penalty()`:
+O-LoRA, CLoRA) once per step. The summary prints every method's rank and trainable count next
+to the spec's budget.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..io import atomic_write_json
+from .. import methods
+from ..io import atomic_write_json, config_hash
 from .adapters import as_adapter
 from .checkpoint import (
     checkpoint_dir,
@@ -39,10 +41,13 @@ from .checkpoint import (
     read_state,
     write_checkpoint,
 )
-from .config import TrainConfig, config_hash
+from .config import TrainConfig
 from .data import TokenizedSet, as_examples, collate, epoch_batches, render_chat, tokenize
-from .objectives import RetainedTerm, ce_sum, mean_loss
+from .objectives import Run, mean_loss
 from .prefix_cache import PrefixCache
+from .summary import TrainSummary, summarize
+
+__all__ = ["TrainData", "TrainSummary", "TrainingDiverged", "build_caches", "lr_at", "prepare_data", "train"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -98,58 +103,6 @@ def build_caches(model: nn.Module, data: TrainData, layer: int | None, batch_siz
     return {name: PrefixCache.build(model, s, layer, data.pad_id, batch_size) for name, s in data.sets().items()}
 
 
-@dataclass
-class TrainSummary:
-    run_dir: str
-    steps: int
-    epochs: int
-    tokens: int  # real (non-padding) target-set tokens processed
-    seconds: float  # training time, summed over resumed segments
-    final_train_loss: float | None
-    final_val_loss: float | None
-    best_val_loss: float | None
-    best_checkpoint: str | None
-    checkpoints: list[str]
-    prefix_cache_layer: int | None
-    issues: list[dict] = field(default_factory=list)  # examples skipped or truncated
-    resumed_from: str | None = None
-    teacher_cached: bool | None = None
-    budget: dict | None = None  # method, rank, budget_rank, trainable, budget (the adapter's `budget()`)
-    stm: dict | None = None  # STM's mask: key, tau, dropped, tokens, path
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def format(self) -> str:
-        val = lambda v: "n/a" if v is None else f"{v:.4f}"
-        lines = [
-            f"training summary ({self.run_dir})",
-            f"  steps {self.steps}, epochs {self.epochs}, tokens {self.tokens:,}, time {self.seconds:.1f} s "
-            f"({self.tokens_per_s:,.0f} tokens/s)",
-            f"  final train loss {val(self.final_train_loss)}, final val loss {val(self.final_val_loss)}, "
-            f"best val loss {val(self.best_val_loss)}",
-            "  prefix cache: "
-            + (f"layer {self.prefix_cache_layer}" if self.prefix_cache_layer is not None else "off")
-            + (f", resumed from {self.resumed_from}" if self.resumed_from else ""),
-            f"  best checkpoint: {self.best_checkpoint}",
-            f"  checkpoints ({len(self.checkpoints)}): " + ", ".join(Path(c).name for c in self.checkpoints),
-        ]
-        if self.budget:
-            b = self.budget
-            lines.append(
-                f"  adapter {b['method']}: rank {b['rank']} (budget rank {b['budget_rank']}), "
-                f"trainable {b['trainable']:,} (budget r (d_in + d_out) = {b['budget']:,})"
-            )
-        if self.stm:
-            lines.append(
-                f"  STM: {self.stm['dropped']:,} of {self.stm['tokens']:,} response tokens dropped "
-                f"(f0 perplexity > {self.stm['tau']:g})"
-            )
-        lines += [f"  {x['action']}: #{x['index']} ({x['id']}): {x['reason']}" for x in self.issues]
-        return "\n".join(lines)
-
-
 def lr_at(step: int, total: int, config: TrainConfig) -> float:
     """Learning rate for optimizer step `step` (0-based): a pure function, so resume needs no state."""
     if step < config.warmup_steps:
@@ -185,7 +138,8 @@ def train(
     resume: bool = True,
     on_checkpoint: Callable[[Path, dict], None] | None = None,
 ) -> TrainSummary:
-    """Train `adapter` (an AtlasResidual, a WeightLoRA) on `data`; checkpoints under `run_dir`.
+    """Train `adapter` (an AtlasResidual, a WeightLoRA, any method's trainable delta) on `data`
+    with the objective `config.objective` names; checkpoints under `run_dir`.
 
     The backbone is frozen (requires_grad off, eval mode) and never changes.
 
@@ -195,85 +149,34 @@ def train(
     """
     run_dir = Path(run_dir)
     adapter = as_adapter(adapter)
-    device = next(model.parameters()).device
-    adapter.to(device)
+    adapter.to(next(model.parameters()).device)
     params = [p for _, p in adapter.named_trainable()]
     _freeze_backbone(model, params)
-    objective = config.objective
+    objective = methods.objective(config.objective.kind)(config.objective)
     if objective.uses_retained and data.retained is None:
-        raise ValueError(f"objective.kind: {objective.kind!r} needs retained data, got none")
+        raise ValueError(f"objective.kind: {config.objective.kind!r} needs retained data, got none")
     run_hash = config_hash(
         config.fingerprint(), adapter.describe(), {k: s.fingerprint() for k, s in data.sets().items()}
     )
-
     layer = adapter.cache_layer if config.prefix_cache else None
-    if caches is None:
-        caches = build_caches(model, data, layer, config.cache_batch_size)
-    elif layer is not None and any(c.layer != layer for c in caches.values()):
-        raise ValueError(
-            f"caches: built at layer {[c.layer for c in caches.values()]}, the adapter needs layer {layer}"
-        )
-    train_cache, val_cache = caches.get("train"), caches.get("val")
-    stm = drop = None
-    if objective.kind == "stm":  # f0's mask, once per training set (cached by its hash)
-        from .baselines.stm import apply_drop, stm_mask
-
-        drop, stm = stm_mask(
-            model, adapter, data.train, train_cache, data.pad_id, objective.stm_tau, config.cache_batch_size
-        )
-    target_sum = ce_sum
-    if objective.kind == "talr":
-        from .baselines.talr import talr_sum as target_sum
-    penalty = getattr(adapter, "penalty", lambda: None)
-    retained = None
-    teacher_cached = None
-    if objective.uses_retained:
-        retained = RetainedTerm(
-            objective, data.retained, caches.get("retained"), config.batch_size, config.seed, data.pad_id
-        )
-        if objective.kind == "output-kl":
-            teacher_cached = retained.cache_teacher(model, adapter, model.get_output_embeddings().weight.shape[0])
+    caches = _caches(model, data, layer, config, caches)
+    n_batches = len(epoch_batches(data.train.lengths, config.batch_size, config.seed, 0, config.bucket_batches))
+    run = Run(model, adapter, data, caches, config, n_batches)
+    reported = objective.setup(run)  # once per run: STM's mask, Output-KL's teacher cache
 
     optimizer = torch.optim.AdamW(
         params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
     )
-    n_batches = len(epoch_batches(data.train.lengths, config.batch_size, config.seed, 0, config.bucket_batches))
     steps_per_epoch = math.ceil(n_batches / config.grad_accum)
     total_steps = config.epochs * steps_per_epoch
-
-    state = {
-        "step": 0,
-        "epoch": 0,
-        "step_in_epoch": 0,
-        "seed": config.seed,
-        "config_hash": run_hash,
-        "tokens": 0,
-        "seconds": 0.0,
-        "train_losses": [],
-        "val_losses": {},
-        "checkpoints": [],
-        "finished": False,
-    }
-    resumed_from = None
-    clean_temporary(run_dir)
-    last = latest_checkpoint(run_dir) if resume else None
-    if last is not None:
-        if read_state(last)["config_hash"] != run_hash:
-            raise ValueError(
-                f"run_dir: {run_dir} holds a run with another config or data (config hash differs); "
-                "use a new run_dir or resume=False"
-            )
-        state = load_checkpoint(last, adapter, optimizer)
-        resumed_from = str(last)
-    elif resume is False and latest_checkpoint(run_dir) is not None:
-        raise ValueError(f"run_dir: {run_dir} already holds checkpoints; pass resume=True or use a new folder")
+    state, resumed_from = _start(run_dir, run_hash, adapter, optimizer, config.seed, resume)
 
     def checkpoint(epoch_end: bool) -> None:
         nonlocal started
         paused = time.perf_counter()
         if data.val is not None and (epoch_end or config.validate_every_checkpoint):
             state["val_losses"][str(state["step"])] = mean_loss(
-                model, adapter, data.val, val_cache, data.pad_id, config.cache_batch_size
+                model, adapter, data.val, caches.get("val"), data.pad_id, config.cache_batch_size
             )
         state["finished"] = state["step"] == total_steps
         name = str(checkpoint_dir(run_dir) / f"step-{state['step']:06d}")
@@ -294,21 +197,11 @@ def train(
                 (first + j, collate(data.train, b, data.pad_id))
                 for j, b in enumerate(batches[first : first + config.grad_accum])
             ]
-            if drop is not None:
-                group = [(j, apply_drop(b, drop)) for j, b in group]
-            n_target = max(1, sum(b.num_targets for _, b in group))  # STM may drop every token of a step
-            extra = [(retained.batch(epoch * n_batches + j)) for j, _ in group] if retained else []
-            n_extra = sum(retained.positions(b) for b in extra) if retained else 0
             lr = lr_at(state["step"], total_steps, config)
             for g in optimizer.param_groups:
                 g["lr"] = lr
             loss_value = 0.0
-            for k, (_, batch) in enumerate(group):
-                loss = target_sum(model, adapter, batch, train_cache) / n_target
-                if retained is not None:
-                    loss = loss + retained.weight * retained.loss_sum(model, adapter, extra[k]) / n_extra
-                if k == 0 and (reg := penalty()) is not None:  # once per optimizer step
-                    loss = loss + reg
+            for loss in objective.losses(run, group, epoch):  # one per micro-batch
                 if not torch.isfinite(loss):
                     _diverged(run_dir, state, f"loss is {float(loss.detach())}")
                 loss.backward()
@@ -335,12 +228,51 @@ def train(
         state["seconds"] = time.perf_counter() - started
         checkpoint(epoch_end=True)
     bar.close()
-    summary = _summary(run_dir, state, data, config, layer, resumed_from, teacher_cached)
+    summary = replace(summarize(run_dir, state, data, layer, resumed_from), **reported)
     summary.budget = adapter.budget() if hasattr(adapter, "budget") else None
-    summary.stm = stm
     if config.progress:
         print(summary.format())
     return summary
+
+
+def _caches(model, data: TrainData, layer, config: TrainConfig, caches) -> dict[str, PrefixCache]:
+    """The prefix caches given (checked against the adapter's layer), else built now."""
+    if caches is None:
+        return build_caches(model, data, layer, config.cache_batch_size)
+    if layer is not None and any(c.layer != layer for c in caches.values()):
+        raise ValueError(
+            f"caches: built at layer {[c.layer for c in caches.values()]}, the adapter needs layer {layer}"
+        )
+    return caches
+
+
+def _start(run_dir: Path, run_hash: str, adapter, optimizer, seed: int, resume: bool) -> tuple[dict, str | None]:
+    """(the run's state, the checkpoint it resumes from): a fresh state, or the newest complete checkpoint's."""
+    state = {
+        "step": 0,
+        "epoch": 0,
+        "step_in_epoch": 0,
+        "seed": seed,
+        "config_hash": run_hash,
+        "tokens": 0,
+        "seconds": 0.0,
+        "train_losses": [],
+        "val_losses": {},
+        "checkpoints": [],
+        "finished": False,
+    }
+    clean_temporary(run_dir)
+    last = latest_checkpoint(run_dir) if resume else None
+    if last is not None:
+        if read_state(last)["config_hash"] != run_hash:
+            raise ValueError(
+                f"run_dir: {run_dir} holds a run with another config or data (config hash differs); "
+                "use a new run_dir or resume=False"
+            )
+        return load_checkpoint(last, adapter, optimizer), str(last)
+    if resume is False and latest_checkpoint(run_dir) is not None:
+        raise ValueError(f"run_dir: {run_dir} already holds checkpoints; pass resume=True or use a new folder")
+    return state, None
 
 
 def _diverged(run_dir: Path, state: dict, what: str):
@@ -355,26 +287,3 @@ def _diverged(run_dir: Path, state: dict, what: str):
         {"error": message, "step": state["step"] + 1, "last_checkpoint": None if last is None else str(last)},
     )
     raise TrainingDiverged(message)
-
-
-def _summary(run_dir, state, data: TrainData, config: TrainConfig, layer, resumed_from, teacher_cached) -> TrainSummary:
-    vals = {int(k): v for k, v in state["val_losses"].items()}
-    best_step = min(vals, key=vals.get) if vals else None
-    best = next((c for c in state["checkpoints"] if c.endswith(f"step-{best_step:06d}")), None) if vals else None
-    issues = [asdict(x) | {"set": s.name} for s in data.sets().values() for x in s.issues]
-    return TrainSummary(
-        run_dir=str(run_dir),
-        steps=state["step"],
-        epochs=state["epoch"],
-        tokens=state["tokens"],
-        seconds=state["seconds"],
-        final_train_loss=state["train_losses"][-1] if state["train_losses"] else None,
-        final_val_loss=vals[max(vals)] if vals else None,
-        best_val_loss=vals[best_step] if vals else None,
-        best_checkpoint=best,
-        checkpoints=list(state["checkpoints"]),
-        prefix_cache_layer=layer,
-        issues=issues,
-        resumed_from=resumed_from,
-        teacher_cached=teacher_cached,
-    )

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from atlas_core.io import atomic_write_bytes
 from evaluation.answers import Answer
-from evaluation.churn import answer_churn
 from evaluation.compare import Checkpoint, matched_comparison, shared_levels
 from evaluation.plots import churn_bars, tradeoff_plot
+from flows.compare import answer_churn
 
 from .store import ResultStore
 

@@ -11,10 +11,29 @@ otherwise, saved as plain factors.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from ...methods import register
+from ...methods.weight_lora import WeightMethod
+from ...typed_config import ConfigError, field
 from ..lora import WeightLoRA
+
+
+@dataclass
+class CLoRAOptions:
+    lam: float = field("Weight lambda of R = 1/2 ||A P_A||^2 + 1/2 ||B^T P_B||^2 (the paper: 1).", 1.0)
+    k: int | None = field(
+        "Columns of the random orthonormal P_A, P_B (null: min(512, d // 2), d = min(d_in, d_out)).", None
+    )
+
+    def __post_init__(self) -> None:
+        if self.lam < 0:
+            raise ConfigError(f"lam: expected a number >= 0, got {self.lam!r}")
+        if self.k is not None and self.k < 1:
+            raise ConfigError(f"k: expected a positive integer or null, got {self.k!r}")
 
 
 def clora_penalty(A: torch.Tensor, B: torch.Tensor, P_A: torch.Tensor, P_B: torch.Tensor, lam: float) -> torch.Tensor:
@@ -60,3 +79,16 @@ class CLoRA(WeightLoRA):
 
     def describe(self) -> dict:
         return super().describe() | {"lambda": self.lam, "k": self.k}
+
+
+class CLoRAMethod(WeightMethod):
+    name = "clora"
+    summary = "LoRA + lambda (1/2 ||A P_A||^2 + 1/2 ||B^T P_B||^2), P_A, P_B fixed random orthonormal"
+    adapter_class = CLoRA
+    options_cls, options_block = CLoRAOptions, "clora"
+
+    def adapter_kwargs(self, run_config, stats) -> dict:
+        return {"lam": run_config.lora.clora.lam, "k": run_config.lora.clora.k}
+
+
+register(CLoRAMethod())

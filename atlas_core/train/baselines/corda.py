@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from ...methods import register
+from ...methods.weight_lora import WeightMethod
 from ..retained_stats import RetainedStats
 from .lora_null import LoRANull
 
@@ -62,3 +64,16 @@ class CordaKPM(LoRANull):
         self.A0, self.B0 = self.lora_A.detach().clone(), self.lora_B.detach().clone()  # (r, d_in), (d_out, r)
         self.base.weight.data = self._W
         del self._W
+
+
+class CordaKPMMethod(WeightMethod):
+    name = "corda-kpm"
+    summary = "PEFT's CorDA, knowledge-preserved mode: init from the smallest components of SVD(W C)"
+    adapter_class = CordaKPM
+    uses_stats = True
+
+    def adapter_kwargs(self, run_config, stats) -> dict:
+        return {"stats": stats}
+
+
+register(CordaKPMMethod())

@@ -19,13 +19,29 @@ s (B A - B0 A0), is saved as the rank-2r factors [A; A0], [B, -B0] (v2: rank r, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from ...methods import register
+from ...methods.weight_lora import WeightMethod
+from ...typed_config import ConfigError, field
 from ..lora import WeightLoRA
 from ..retained_stats import RetainedStats
 
 MODES = ("v1", "v2")
+
+
+@dataclass
+class LoRANullOptions:
+    mode: str = field(
+        "v1: train A and B; v2: freeze A (its null-space init) and train B only, at rank 2r to match the budget.", "v1"
+    )
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode: expected one of {MODES}, got {self.mode!r}")
 
 
 class LoRANull(WeightLoRA):
@@ -87,3 +103,17 @@ class LoRANull(WeightLoRA):
         if self.mode == "v2":  # A = A0 throughout: s (B - B0) A0
             return self.A0.clone(), self.lora_B - self.B0
         return torch.cat([self.lora_A, self.A0]), torch.cat([self.lora_B, -self.B0], 1)  # (2r, d_in), (d_out, 2r)
+
+
+class LoRANullMethod(WeightMethod):
+    name = "lora-null"
+    summary = "LoRA initialised in the null space of the retained o_proj inputs (v1: A and B train; v2: B only)"
+    adapter_class = LoRANull
+    options_cls, options_block = LoRANullOptions, "lora_null"
+    uses_stats = True
+
+    def adapter_kwargs(self, run_config, stats) -> dict:
+        return {"stats": stats, "mode": run_config.lora.lora_null.mode}
+
+
+register(LoRANullMethod())

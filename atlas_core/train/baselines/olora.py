@@ -13,14 +13,40 @@ The rest is plain LoRA (PEFT), saved as plain factors.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ...io import load_verified
+from ...methods import register
+from ...methods.weight_lora import WeightMethod
+from ...typed_config import ConfigError, field
 from ..lora import WeightLoRA
 from ..retained_stats import RetainedStats
 
 PAST = ("pca", "files")
+
+
+@dataclass
+class OLoRAOptions:
+    lambda1: float = field("Weight of sum |A_past A^T| (the paper: 0.5).", 0.5)
+    past: str = field(
+        "The frozen past subspace: 'pca' = top-r eigenvectors of the retained input covariance "
+        "(choice, one update); 'files' = the lora_A of earlier adapters (past_files).",
+        "pca",
+    )
+    past_files: list[str] = field("Weight-adapter files whose lora_A rows form A_past (past: files).", factory=list)
+
+    def __post_init__(self) -> None:
+        if self.past not in PAST:
+            raise ConfigError(f"past: expected one of {PAST}, got {self.past!r}")
+        if self.lambda1 < 0:
+            raise ConfigError(f"lambda1: expected >= 0, got {self.lambda1!r}")
+        if self.past == "files" and not self.past_files:
+            raise ConfigError("past_files: past 'files' needs at least one adapter file")
+        for i, path in enumerate(self.past_files):
+            if not path.strip():
+                raise ConfigError(f"past_files[{i}]: expected the path of a weight-adapter file, got {path!r}")
 
 
 def olora_penalty(A: torch.Tensor, A_past: torch.Tensor, lam: float) -> torch.Tensor:
@@ -86,3 +112,20 @@ class OLoRA(WeightLoRA):
             "stats_key": self.stats_key,
             "past_rows": int(self.A_past.shape[0]),
         }
+
+
+class OLoRAMethod(WeightMethod):
+    name = "o-lora"
+    summary = "LoRA + lambda1 * sum |A_past A^T|: A pushed orthogonal to a frozen past subspace"
+    adapter_class = OLoRA
+    options_cls, options_block = OLoRAOptions, "o_lora"
+
+    def stats_needed(self, lora) -> bool:
+        return lora.o_lora.past == "pca"
+
+    def adapter_kwargs(self, run_config, stats) -> dict:
+        o = run_config.lora.o_lora
+        return {"lam": o.lambda1, "past": o.past, "stats": stats, "past_files": o.past_files}
+
+
+register(OLoRAMethod())

@@ -16,9 +16,23 @@ saved projected by hand: factors A P_R and P_L B.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ...methods import register
+from ...methods.weight_lora import WeightMethod
+from ...typed_config import ConfigError, field
 from ..lora import WeightLoRA
+
+
+@dataclass
+class OPLoRAOptions:
+    k: int = field("Top-k singular triples of W kept exactly (the paper runs 16 and 128).", 16)
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ConfigError(f"k: expected a positive integer, got {self.k!r}")
 
 
 class OPLoRA(WeightLoRA):
@@ -58,3 +72,16 @@ class OPLoRA(WeightLoRA):
     def delta_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         A, B = self.lora_A, self.lora_B  # (r, d_in), (d_out, r)
         return A - (A @ self.V_k) @ self.V_k.T, B - self.U_k @ (self.U_k.T @ B)  # A P_R, P_L B
+
+
+class OPLoRAMethod(WeightMethod):
+    name = "oplora"
+    summary = "LoRA projected off W's top-k singular subspaces (data-free)"
+    adapter_class = OPLoRA
+    options_cls, options_block = OPLoRAOptions, "oplora"
+
+    def adapter_kwargs(self, run_config, stats) -> dict:
+        return {"k": run_config.lora.oplora.k}
+
+
+register(OPLoRAMethod())

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ...io import IntegrityError, load_verified, save_verified
+from ...io import IntegrityError, config_hash, load_verified, save_verified
+from ...methods import register_objective
 from ...paths import state_dir
-from ..config import config_hash
 from ..data import Batch, TokenizedSet, collate
-from ..objectives import selected_logits
+from ..objectives import Objective, Run, selected_logits
 
 STM_FORMAT = 1
 
@@ -95,3 +95,26 @@ def stm_mask(
     total = sum(counts)
     dropped = int(sum(int(d.sum()) for d in drop))
     return drop, {"key": key, "tau": tau, "dropped": dropped, "tokens": total, "path": str(path)}
+
+
+class STM(Objective):
+    """CE without the response tokens f0 finds hard (perplexity > stm_tau), masked once per training set."""
+
+    kind = "stm"
+    own_fields = ("stm_tau",)  # a field added for STM leaves the other objectives' run keys as they were
+
+    def setup(self, run: Run) -> dict:
+        tau, batch_size = self.config.stm_tau, run.config.cache_batch_size
+        self.drop, info = stm_mask(
+            run.model, run.adapter, run.data.train, run.cache("train"), run.data.pad_id, tau, batch_size
+        )
+        note = (
+            f"STM: {info['dropped']:,} of {info['tokens']:,} response tokens dropped (f0 perplexity > {info['tau']:g})"
+        )
+        return {"stm": info, "notes": [note]}
+
+    def target_batch(self, batch: Batch) -> Batch:
+        return apply_drop(batch, self.drop)
+
+
+register_objective(STM)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...methods import register_objective
 from ..data import Batch
-from ..objectives import selected_logits
+from ..objectives import Objective, Run, selected_logits
 
 
 def talr_weights(nll: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -40,3 +41,15 @@ def talr_sum(model, adapter, batch: Batch, cache) -> torch.Tensor:
     nll = F.cross_entropy(logits, targets, reduction="none")  # (N,)
     rows = (batch.targets != -100).nonzero()[:, 0].to(nll.device)  # (N,) row of each supervised position
     return (talr_weights(nll, rows) * nll).sum()
+
+
+class TALR(Objective):
+    """CE reweighted token-wise by the current model's NLL (talr_sum)."""
+
+    kind = "talr"
+
+    def target_sum(self, run: Run, batch: Batch) -> torch.Tensor:
+        return talr_sum(run.model, run.adapter, batch, run.cache("train"))
+
+
+register_objective(TALR)

@@ -10,9 +10,10 @@ r d_in (A) + d_out r (B) + d_in r (Theta) + r (gain), 3 d r + r when square: it 
 r_T = round(2r / 3) to match the budget 2 d r (r = 16 -> 11).
 
 Not mergeable (Sigma_x depends on the token), so a saved TopLoRA is applied frozen by
-`FrozenTopLoRA`: a hook on the base Linear computing the same branch (atlas_core.chain
-dispatches files of kind "toplora" to it). The trainable form is PEFT's LoRA with the gate
-as a hook on lora_A's output: PEFT computes  result + lora_B(gate * lora_A(x)) * s.
+`FrozenTopLoRA`: a hook on the base Linear computing the same branch (its delta format, kind
+"toplora", is registered here: atlas_core.chain loads such files with it). The trainable form is
+PEFT's LoRA with the gate as a hook on lora_A's output: PEFT computes
+result + lora_B(gate * lora_A(x)) * s.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ import torch
 from torch import nn
 
 from ...io import expect_shape, save_verified
+from ...lora_delta import hooked_linear, read_lora_file
+from ...methods import DeltaFormat, register
+from ...methods.weight_lora import WeightMethod
 from ..lora import WeightLoRA
 
 TOPLORA_FORMAT = 1
@@ -115,8 +119,6 @@ class FrozenTopLoRA:
 
     @classmethod
     def load(cls, path: str | Path) -> "FrozenTopLoRA":
-        from ...chain import read_lora_file
-
         tensors, m = read_lora_file(path, "toplora", ("lora_A", "lora_B", "theta", "gain"))
         d_in, rank = tensors["lora_A"].shape[1], m["rank"]
         expect_shape("theta", tensors["theta"], (d_in, rank), str(path))
@@ -125,8 +127,6 @@ class FrozenTopLoRA:
 
     @contextmanager
     def attached(self, model: nn.Module) -> Iterator[None]:
-        from ...chain import hooked_linear
-
         base = hooked_linear(model, self.module_name, (self.B.shape[0], self.A.shape[1]), "toplora")
         dev = base.weight.device
         A, B, theta, gain = (t.to(dev) for t in (self.A, self.B, self.theta, self.gain))
@@ -141,3 +141,22 @@ class FrozenTopLoRA:
             yield
         finally:
             handle.remove()
+
+
+class TopLoRADelta(DeltaFormat):
+    """A saved TopLoRA: applied by FrozenTopLoRA; no plain LoRA (exported with --format folder only)."""
+
+    kind = "toplora"
+
+    def load(self, path: Path, manifest: dict, atlas_for):
+        return FrozenTopLoRA.load(path)
+
+
+class TopLoRAMethod(WeightMethod):
+    name = "toplora"
+    summary = "LoRA with a token-wise gate between A and B (not mergeable), at rank round(2r / 3)"
+    adapter_class = TopLoRA
+    delta = TopLoRADelta()
+
+
+register(TopLoRAMethod())

@@ -1,30 +1,119 @@
-"""Comparing two versions from what the ledger stored, and the release history of a model.
+"""How much answers moved between two models: fresh answer sets (`answer_churn`, what an evaluation
+and the gates count) and two versions' stored answers (`compare_versions`, `atlas compare`, with
+its report); and the tables of a line's release log.
 
-Churn is recomputed from the per-question answers, so no generation is needed. Going
-from version A (the reference) to version B, for questions both answered:
-F = correct -> wrong, G = wrong -> correct, W = wrong -> a different wrong answer;
-churn = (F + G + W) / n and NFR = F / n.
+Going from A (the reference) to B, each question both answered is classified by the one classifier
+(registry.flip_kind):
+  F  correct -> wrong            (harmful flip, "negative flip")
+  G  wrong   -> correct
+  W  wrong   -> a different wrong answer
+and counted in the one flip record (registry.Flips): churn = (F + G + W) / n and NFR (negative-flip
+rate) = F / n, both None when n = 0 (nothing compared: every consumer fails closed, a report shows
+'-'). Since a question has one correct answer, churn is exactly the share of questions whose answer
+changed; the same function therefore gives CSQA choice churn (answers are the chosen labels A-E).
+Two unextractable answers (None, None) count as unchanged. Stored answers need no generation.
+
+Here, above both `evaluation` (which makes answers) and `registry` (which stores them and the
+flip record): the registry imports nothing of the project and evaluation only atlas_core, so
+counting flips of answers is the first layer that sees both. Light: no Prefect and no torch
+(`atlas compare` / `atlas history` answer at once).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from registry.db import Ledger, LedgerError
-from registry.lines import base_version, get_model, get_version, list_versions
-from registry.mlflow_bridge import MANAGED_ALIASES, MlflowBridge
-from registry.promotion import alias_holder, list_releases
-from registry.queries import evaluation_extra, version_source
-from registry.records import AnswerRecord, EvaluationInfo, FlipRates, VersionInfo
-from registry.results import get_answers, latest_evaluation
-from registry.store import atomic_write_text
+from registry import (
+    AnswerRecord,
+    EvaluationInfo,
+    Flips,
+    HistoryRow,
+    Ledger,
+    MlflowBridge,
+    VersionInfo,
+    atomic_write_text,
+    evaluation_extra,
+    flip_kind,
+    get_answers,
+    get_version,
+    latest_evaluation,
+)
+from registry.queries import version_source
+
+if TYPE_CHECKING:
+    from evaluation.answers import Answer
+
+Answers = dict[tuple[str, str], AnswerRecord]  # (dataset, question id) -> a version's stored answer
+
+
+# -- fresh answer sets ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Churn(Flips):
+    """`answer_churn`'s result: the flip record (its counts and rates) plus each side's accuracy
+    (None when n = 0)."""
+
+    accuracy_ref: Optional[float]
+    accuracy_new: Optional[float]
+
+    @property
+    def flips(self) -> Flips:
+        """The flip record alone (what the gates and the ledger keep)."""
+        return Flips(n=self.n, F=self.F, G=self.G, W=self.W)
+
+    def as_dict(self) -> dict[str, Optional[float]]:
+        """Counts, rates and accuracies (e.g. for evaluation.plots.churn_bars)."""
+        return asdict(self) | {"churn": self.churn, "nfr": self.nfr}
+
+
+def _by_id(answers: Mapping[str, Answer] | Iterable[Answer]) -> dict[str, Answer]:
+    if isinstance(answers, Mapping):
+        return dict(answers)
+    out: dict[str, Answer] = {}
+    for a in answers:
+        if a.id in out:
+            raise ValueError(f"answer id {a.id!r} appears twice")
+        out[a.id] = a
+    return out
+
+
+def answer_churn(
+    reference: Mapping[str, Answer] | Iterable[Answer], new: Mapping[str, Answer] | Iterable[Answer]
+) -> Churn:
+    """F/G/W, churn and NFR of `new` against `reference`; both must cover the same question ids.
+    Answers are evaluation.answers.Answer, or any with `.correct` and `.answer` given as a mapping
+    by question id (e.g. registry.AnswerRecord). Two empty sets give n = 0: rates and accuracies None."""
+    ref, cur = _by_id(reference), _by_id(new)
+    if ref.keys() != cur.keys():
+        only_ref, only_new = sorted(ref.keys() - cur.keys()), sorted(cur.keys() - ref.keys())
+        raise ValueError(
+            f"answer sets cover different questions: {len(only_ref)} only in the reference "
+            f"(e.g. {only_ref[:3]}), {len(only_new)} only in the new set (e.g. {only_new[:3]})"
+        )
+    flips = Flips.tally(flip_kind(r.correct, r.answer, cur[qid].correct, cur[qid].answer) for qid, r in ref.items())
+    n = flips.n
+    return Churn(
+        n=n,
+        F=flips.F,
+        G=flips.G,
+        W=flips.W,
+        accuracy_ref=sum(a.correct for a in ref.values()) / n if n else None,
+        accuracy_new=sum(a.correct for a in cur.values()) / n if n else None,
+    )
+
+
+# -- two versions' stored answers ---------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Flip:
+    """One question whose answer moved from A to B."""
+
     dataset: str
     question_id: str
     kind: str  # "F" | "G" | "W"
@@ -33,14 +122,29 @@ class Flip:
 
 
 @dataclass(frozen=True)
-class ChurnRow(FlipRates):
+class ChurnRow:
+    """The flips of one dataset (or "all") from A to B; questions only one side answered are
+    not in `flips.n` but counted apart."""
+
     dataset: str
-    flips_f: int
-    flips_g: int
-    flips_w: int
-    n: int
-    only_in_a: int  # questions one side never answered are not counted in n
+    flips: Flips
+    only_in_a: int
     only_in_b: int
+
+    def to_dict(self) -> dict:
+        """The row as the comparison's JSON has it (the ledger's column names, rates None at n = 0)."""
+        f = self.flips
+        return {
+            "dataset": self.dataset,
+            "flips_f": f.F,
+            "flips_g": f.G,
+            "flips_w": f.W,
+            "n": f.n,
+            "only_in_a": self.only_in_a,
+            "only_in_b": self.only_in_b,
+            "churn": f.churn,
+            "nfr": f.nfr,
+        }
 
 
 @dataclass(frozen=True)
@@ -71,7 +175,7 @@ class Comparison:
             "source_a": self.source_a,
             "source_b": self.source_b,
             "metrics": [{**asdict(m), "delta": m.delta} for m in self.metrics],
-            "churn": [{**asdict(c), "churn": c.churn, "nfr": c.nfr} for c in self.churn],
+            "churn": [c.to_dict() for c in self.churn],
             "flips": [asdict(f) for f in self.flips],
         }
 
@@ -79,16 +183,16 @@ class Comparison:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     def _tables(self) -> list[tuple[str, list[str], list[list[str]]]]:
-        metric_rows = [[m.name, _fmt(m.a), _fmt(m.b), _fmt(m.delta, signed=True)] for m in self.metrics]
+        metric_rows = [[m.name, fmt(m.a), fmt(m.b), fmt(m.delta, signed=True)] for m in self.metrics]
         churn_rows = [
             [
                 c.dataset,
-                str(c.n),
-                str(c.flips_f),
-                str(c.flips_g),
-                str(c.flips_w),
-                f"{c.churn:.4f}",
-                f"{c.nfr:.4f}",
+                str(c.flips.n),
+                str(c.flips.F),
+                str(c.flips.G),
+                str(c.flips.W),
+                fmt(c.flips.churn),
+                fmt(c.flips.nfr),
                 str(c.only_in_a + c.only_in_b),
             ]
             for c in self.churn
@@ -113,7 +217,7 @@ class Comparison:
         out = [f"A = {self.version_a} ({self.source_a})", f"B = {self.version_b} ({self.source_b})", ""]
         for title, header, rows in self._tables():
             out.append(title)
-            out += _text_table(header, rows) if rows else ["  (none)"]
+            out += text_table(header, rows) if rows else ["  (none)"]
             out.append("")
         return "\n".join(out)
 
@@ -131,8 +235,8 @@ class Comparison:
         bridge.log_text(run_id, self.to_json(), f"{artifact_dir}/{stem}.json")
 
 
-def _fmt(value: Optional[float], signed: bool = False) -> str:
-    """Counts print as integers, rates and KL with four decimals."""
+def fmt(value: Optional[float], signed: bool = False) -> str:
+    """Counts print as integers, rates and KL with four decimals, None (not measured) as '-'."""
     if value is None:
         return "-"
     if isinstance(value, int):
@@ -140,41 +244,37 @@ def _fmt(value: Optional[float], signed: bool = False) -> str:
     return f"{value:+.4f}" if signed else f"{value:.4f}"
 
 
-def _text_table(header: list[str], rows: list[list[str]]) -> list[str]:
+def text_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Fixed-width columns, a dashed rule under the header."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     line = lambda cells: "  " + "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))
     return [line(header), "  " + "  ".join("-" * w for w in widths), *map(line, rows)]
 
 
-def answer_churn(
-    a: dict[tuple[str, str], AnswerRecord], b: dict[tuple[str, str], AnswerRecord]
-) -> tuple[list[ChurnRow], list[Flip]]:
-    """Per-dataset F/G/W (plus an 'all' row) and the flipped questions, going from a to b."""
-    from evaluation.churn import flip_kind  # the one F/G/W classifier (evaluation, gates, registry)
-
+def compare_answers(a: Answers, b: Answers) -> tuple[list[ChurnRow], list[Flip]]:
+    """Per-dataset flips (plus an 'all' row) and the flipped questions, going from a to b, on the
+    questions both answered."""
     datasets = sorted({d for d, _ in a} | {d for d, _ in b})
     rows: list[ChurnRow] = []
     flips: list[Flip] = []
     for dataset in datasets:
         qa = {q for d, q in a if d == dataset}
         qb = {q for d, q in b if d == dataset}
-        counts = {"F": 0, "G": 0, "W": 0}
+        kinds = []
         for q in sorted(qa & qb):
             old, new = a[(dataset, q)], b[(dataset, q)]
             kind = flip_kind(old.correct, old.answer, new.correct, new.answer)
-            if kind is None:
-                continue
-            counts[kind] += 1
-            flips.append(Flip(dataset, q, kind, old.answer, new.answer))
-        rows.append(ChurnRow(dataset, counts["F"], counts["G"], counts["W"], len(qa & qb), len(qa - qb), len(qb - qa)))
+            kinds.append(kind)
+            if kind is not None:
+                flips.append(Flip(dataset=dataset, question_id=q, kind=kind, answer_a=old.answer, answer_b=new.answer))
+        rows.append(ChurnRow(dataset=dataset, flips=Flips.tally(kinds), only_in_a=len(qa - qb), only_in_b=len(qb - qa)))
     if rows:
         rows.append(
             ChurnRow(
-                "all",
-                *(
-                    sum(getattr(r, k) for r in rows)
-                    for k in ("flips_f", "flips_g", "flips_w", "n", "only_in_a", "only_in_b")
-                ),
+                dataset="all",
+                flips=Flips.total(r.flips for r in rows),
+                only_in_a=sum(r.only_in_a for r in rows),
+                only_in_b=sum(r.only_in_b for r in rows),
             )
         )
     return rows, flips
@@ -201,8 +301,8 @@ def _evaluation_metrics(
         metrics[f"kl_vs_base[{kl.domain}]"] = 0.0 if version.is_base else kl.kl_vs_base
     base_churn = ev.churn_total("base")
     if base_churn is not None:
-        metrics["nfr_vs_base"] = base_churn.nfr
-        metrics["churn_vs_base"] = base_churn.churn
+        metrics["nfr_vs_base"] = base_churn.flips.nfr
+        metrics["churn_vs_base"] = base_churn.flips.churn
     if ev.csqa_choice_churn is not None:
         metrics["csqa_choice_churn"] = ev.csqa_choice_churn
     return metrics
@@ -219,41 +319,6 @@ def _paired_scores(ev: Optional[EvaluationInfo], extra: dict, skill: Optional[st
     return paired
 
 
-def resolve_version(ledger: Ledger, model: int | str, ref: str) -> VersionInfo:
-    """A version of `model` named the way people name it on a command line:
-    'base', an alias ('champion', 'candidate'), 'mlflow:<n>', '#<ledger id>' or a version name.
-    'champion' while nobody holds it is the base version: the base is what serves then.
-
-    The form of `ref` decides what it is matched against, and names are unique within a
-    line, so a reference never matches two versions.
-    """
-    info = get_model(ledger, model)
-    if ref == "base":
-        return base_version(ledger, info.id)
-    if ref in MANAGED_ALIASES:
-        holder = alias_holder(ledger, info.id, ref)
-        if holder is None and ref == "champion":  # nobody holds it (never released, or rolled back to the base)
-            return base_version(ledger, info.id)
-        if holder is None:
-            raise LedgerError(f"{info.name}: nobody holds {ref!r}")
-        return holder
-    versions = list_versions(ledger, info.id)
-    if ref.startswith("#"):
-        matches = [v for v in versions if f"#{v.id}" == ref]
-    elif ref.startswith("mlflow:"):
-        matches = [v for v in versions if v.mlflow_version is not None and f"mlflow:{v.mlflow_version}" == ref]
-    else:
-        matches = [v for v in versions if v.name == ref]
-    if not matches:
-        known = ", ".join(v.name for v in versions) or "none"
-        raise LedgerError(f"{info.name}: version {ref!r} matches 0 versions (known: {known})")
-    if len(matches) > 1:  # the unique (line, name) constraint makes this a corrupted ledger
-        raise LedgerError(
-            f"{info.name}: version {ref!r} matches {len(matches)} versions: {', '.join(f'#{v.id}' for v in matches)}"
-        )
-    return matches[0]
-
-
 def compare_versions(ledger: Ledger, version_a: int, version_b: int) -> Comparison:
     """Compare B against A (pass the base version's id as A to compare with the backbone)."""
     va, vb = get_version(ledger, version_a), get_version(ledger, version_b)
@@ -268,62 +333,20 @@ def compare_versions(ledger: Ledger, version_a: int, version_b: int) -> Comparis
     if va.is_base:  # the base's KL to itself is zero by definition, measured or not
         ma.update({k: 0.0 for k in mb if k.startswith("kl_vs_base[")})
     names = list(dict.fromkeys([*ma, *mb]))
-    churn, flips = answer_churn(get_answers(ledger, version_a), get_answers(ledger, version_b))
+    churn, flips = compare_answers(get_answers(ledger, version_a), get_answers(ledger, version_b))
     return Comparison(
-        va.name,
-        vb.name,
-        [MetricRow(n, ma.get(n), mb.get(n)) for n in names],
-        churn,
-        flips,
-        version_source(ledger, va),
-        version_source(ledger, vb),
+        version_a=va.name,
+        version_b=vb.name,
+        metrics=[MetricRow(name=n, a=ma.get(n), b=mb.get(n)) for n in names],
+        churn=churn,
+        flips=flips,
+        source_a=version_source(ledger, va),
+        source_b=version_source(ledger, vb),
     )
 
 
-@dataclass(frozen=True)
-class HistoryRow:
-    release_id: int
-    when: str
-    action: str
-    alias: str
-    version: str
-    previous: str
-    target: str
-    max_kl_vs_base: Optional[float]
-    nfr_vs_base: Optional[float]
-    flow_run_id: Optional[str]
-    reason: str
-    source: str = "-"  # trained | submitted ... (registry.queries.version_source)
-
-
-def release_history(ledger: Ledger, model_id: int, alias: Optional[str] = "champion") -> list[HistoryRow]:
-    """Every release of a model (oldest first) with the released version's key metrics."""
-    rows = []
-    for r in list_releases(ledger, model_id, alias):
-        v = get_version(ledger, r.version_id)
-        prev = get_version(ledger, r.previous_version_id).name if r.previous_version_id else "-"
-        ev = latest_evaluation(ledger, r.version_id)
-        churn = ev.churn_total("base") if ev else None
-        rows.append(
-            HistoryRow(
-                r.id,
-                r.created_at.strftime("%Y-%m-%d %H:%M:%S"),
-                r.action,
-                r.alias,
-                v.name,
-                prev,
-                f"{ev.target_solved}/{ev.target_total}" if ev else "-",
-                ev.max_kl("kl_vs_base") if ev else None,
-                churn.nfr if churn else None,
-                r.flow_run_id,
-                r.reason,
-                version_source(ledger, v),
-            )
-        )
-    return rows
-
-
 def format_history(rows: list[HistoryRow], markdown: bool = False) -> str:
+    """registry.release_history's rows as a terminal table or markdown."""
     header = [
         "#",
         "when",
@@ -348,14 +371,14 @@ def format_history(rows: list[HistoryRow], markdown: bool = False) -> str:
             r.source,
             r.previous,
             r.target,
-            _fmt(r.max_kl_vs_base),
-            _fmt(r.nfr_vs_base),
+            fmt(r.max_kl_vs_base),
+            fmt(r.nfr_vs_base),
             r.flow_run_id or "-",
             r.reason or "-",
         ]
         for r in rows
     ]
     if not markdown:
-        return "\n".join(_text_table(header, cells))
+        return "\n".join(text_table(header, cells))
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells])
