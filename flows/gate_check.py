@@ -85,14 +85,14 @@ def gate_candidate(
     from .evaluate import evaluate_candidate, record_base
     from .lineage import resolve_lineage
     from .policy import load_cycle_policy
+    from .publish import PhaseClock, publish_report
     from .release import gate
     from .release import promote as promote_flow
     from .resources import scope
-    from .update import _Clock, publish_report
 
     cfg, platform = load_update_config(config, line=line), PlatformRef.from_environment()
     with scope(platform) as res:
-        db, clock = res.ledger, _Clock()
+        db, clock = res.ledger, PhaseClock()
         ctx = resolve_lineage(cfg, load_cycle_policy(policy, cfg), platform, flow_run.id)
         v = candidate_version(db, ctx.model.id, version, ctx.skill.name)
         ctx = replace(ctx, lowest_candidate_layer=res.resolve_applied(v).lowest_layer)

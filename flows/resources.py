@@ -94,12 +94,17 @@ class Resources:
         self._references: dict[tuple[KLKey, tuple[str, ...]], list] = {}  # (contexts, chain) -> final states
         self._choice_sets: dict[ChoiceKey, object] = {}  # -> evaluation.choice.ChoiceSet with prefix states
 
+    def _caches(self) -> dict[str, dict]:
+        return {name.removeprefix("_"): value for name, value in vars(self).items() if isinstance(value, dict)}
+
+    def held(self) -> dict[str, int]:
+        """How many resources of each kind are held now (kinds holding none left out)."""
+        return {kind: len(cache) for kind, cache in self._caches().items() if cache}
+
     def close(self) -> None:
         """Close the ledger and drop every resource (the backbone's memory is freed with them)."""
         self.platform.close()
-        for cache in (self._backbones, self._scorers, self._atlases, self._atlas_paths, self._deltas):
-            cache.clear()
-        for cache in (self._gate_texts, self._kl_sets, self._references, self._choice_sets):
+        for cache in self._caches().values():
             cache.clear()
 
     # -------------------------------------------------------------------------- records

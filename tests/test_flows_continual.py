@@ -117,7 +117,7 @@ def test_three_releases_build_a_chain_and_keep_released_skills(prefect_harness, 
     try:
         model = get_model(p.ledger, first.model)
         assert model.line == "assistant" and model.name == "tiny-llama.assistant"
-        v1, v2 = (resolve_version(p.ledger, model.id, r[k]) for r, k in ((first, "champion"), (second, "champion")))
+        v1, v2 = (resolve_version(p.ledger, model.id, r.champion) for r in (first, second))
         assert v2.parent_id == v1.id and v1.parent_id == resolve_version(p.ledger, model.id, "base").id
         assert [v.id for v in version_chain(p.ledger, v2.id)] == [v1.id, v2.id]
         assert (v1.skill, v2.skill) == ("a", "b")

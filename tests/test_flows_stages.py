@@ -45,8 +45,9 @@ def test_each_stage_runs_alone_on_the_values_of_the_one_before(prefect_harness, 
         assert ctx.champion_id is None and ctx.released == () and ctx.layer == 2 and ctx.kl_layer == 1
         fitted = refresh_atlas(ctx, "local")
         assert isinstance(fitted, AtlasRef) and Path(fitted.path).is_file()
+        assert {"backbones", "atlas_paths", "atlases"} <= set(res.held())  # what the stages computed with
     # the scope's end freed the backbone, the ledger and every cache, and nothing is current any more
-    assert CURRENT.get() is None and all(not v for k, v in vars(res).items() if k.startswith("_"))
+    assert CURRENT.get() is None and res.held() == {}
 
     with scope(ref) as res:  # as a new process would: only the plain values carry over
         ctx = pickle.loads(pickle.dumps(ctx))
