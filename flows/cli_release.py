@@ -35,6 +35,8 @@ def print_result(result) -> None:
         f" (champion before: {result.previous_champion}, now: {result.champion})"
     )
     print(f"candidates: {verdicts or 'none new'}")
+    for name, why in result.failed.items():
+        print(f"failed:     {name}: {why}")
     print(f"report:     {result.report}")
     print("time:       " + ", ".join(f"{phase} {sec:.0f} s" for phase, sec in result.seconds.items()))
     print(
@@ -81,6 +83,27 @@ def cmd_submit(args: argparse.Namespace) -> int:
         f"sha256 {s.sha256[:16]}"
     )
     print(f"next: atlas gate check {s.version} --config CONFIG --policy POLICY [--promote]")
+    if s.new:
+        from .events import CANDIDATE_SUBMITTED, emit
+
+        labels = {"prefect.resource.name": s.version, "atlas.line": args.line}
+        payload = {"version": s.version, "version_id": s.version_id, "parent": s.parent, "kind": s.kind}
+        if emit(CANDIDATE_SUBMITTED, f"atlas.candidate.{s.model}", labels, payload):
+            print(f"event:  {CANDIDATE_SUBMITTED} sent (a deployment trigger on it gates the candidate)")
+    return 0
+
+
+def cmd_snapshot_add(args: argparse.Namespace) -> int:
+    from atlas_core.paths import state_dir
+
+    from .snapshots import add_snapshot, announce
+
+    snap = add_snapshot(args.file, args.line, args.skill, state_dir())
+    print(f"{snap.line}/{snap.skill}: snapshot {snap.path} ({snap.pairs} pairs, sha256 {snap.sha256[:16]})")
+    if announce(snap):
+        print(f"event: atlas.snapshot.added sent for {snap.resource_id} (deployment triggers on it start a cycle)")
+    else:
+        print("event: none (PREFECT_API_URL is not set); the next scheduled cycle takes it")
     return 0
 
 
@@ -211,6 +234,18 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="the version's name (default: <backbone>-<skill>-<kind>-s0-e0)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("snapshot", help="a skill's training data: add a snapshot (announced as a Prefect event)")
+    snapshot_sub = p.add_subparsers(dest="snapshot_command", metavar="add", required=True)
+    add = snapshot_sub.add_parser(
+        "add",
+        help="copy a JSONL file of prompt/response pairs, complete, into <state>/snapshots/LINE/SKILL/ and emit "
+        "atlas.snapshot.added (deployment triggers start the line's cycle on it)",
+    )
+    add.add_argument("file", help='a JSONL file, one {"id", "prompt", "response"} per line')
+    add.add_argument("--line", required=True, help="the release line")
+    add.add_argument("--skill", required=True, help="the skill the snapshot teaches")
+    add.set_defaults(func=cmd_snapshot_add)
 
     from .cli_use import add_commands as add_use_commands
 

@@ -20,6 +20,7 @@ from evaluation.contexts import RETAINED_DOMAINS
 
 SCORERS = ("mbpp-plus", "response-match")
 EVALUATE = ("epoch-ends", "all", "final")
+MODES = ("in-process", "work-pool")  # where candidates run (flows/candidates.py)
 SKILL_SOURCES = ("mbpp", "gsm8k")  # built-in skill sources (flows/skills.py); anything else is a path
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a skill or line: a key in policies, the ledger and model names
 
@@ -205,6 +206,39 @@ class TrainOverrides:
 
 
 @dataclass
+class ExecutionSpec:
+    candidates: str = field(
+        "Where the candidates (method x seed) train and are evaluated: 'in-process' (one after another in this "
+        "process) or 'work-pool' (each a flow run of `deployment` on its Prefect work pool, all at once; needs "
+        "PREFECT_API_URL and a ledger and artifact store the workers share).",
+        "in-process",
+    )
+    deployment: str = field("work-pool: the candidate deployment, as 'flow/deployment'.", "candidate/candidate")
+    slots: str | None = field(
+        "work-pool: a Prefect global concurrency limit each candidate holds one slot of while it runs "
+        "(e.g. 'gpu', created with `prefect gcl create gpu --limit 8`); null: only the pool's own limits.",
+        None,
+    )
+    heartbeat_timeout_s: float = field(
+        "work-pool: a running candidate whose newest flow-run heartbeat is older than this is marked crashed "
+        "(its worker is gone). Flow runs send heartbeats when their worker sets PREFECT_FLOWS_HEARTBEAT_FREQUENCY "
+        "(at least 30 s; deploy/prefect.yaml sets 30); keep this at 2-3 times that. A run that sends none is "
+        "never judged by silence.",
+        90.0,
+    )
+    poll_seconds: float = field("work-pool: how often the cycle reads its candidates' flow run states.", 5.0)
+
+    def __post_init__(self) -> None:
+        if self.candidates not in MODES:
+            raise ConfigError(f"candidates: expected one of {MODES}, got {self.candidates!r}")
+        if "/" not in self.deployment:
+            raise ConfigError(f"deployment: expected 'flow/deployment', got {self.deployment!r}")
+        for name in ("heartbeat_timeout_s", "poll_seconds"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: expected a positive number of seconds, got {getattr(self, name)!r}")
+
+
+@dataclass
 class UpdateConfig:
     name: str = field("A label for this configuration (shown in reports).", "default")
     backbone: str = field(
@@ -234,6 +268,9 @@ class UpdateConfig:
         "Atlas fitted on retained contexts (content-addressed, reused when nothing changed).", factory=AtlasSpec
     )
     train: TrainOverrides = field("Training settings applied to every candidate method.", factory=TrainOverrides)
+    execution: ExecutionSpec = field(
+        "Where candidates run (in this process or on a Prefect work pool).", factory=ExecutionSpec
+    )
 
     def __post_init__(self) -> None:
         _nonempty(self, "name", "backbone")

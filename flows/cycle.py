@@ -6,9 +6,9 @@ Prefect (sub)flow with parameter validation that can be run and tested alone:
 
     resolve_lineage(config, policy)      -> CycleContext   backbone, line, base, champion chain, skills
     refresh_atlas(ctx, variant)          -> AtlasRef       the atlas of the champion on R
-    train_skill(ctx)                     -> list[int]      candidate version ids
-    evaluate_candidate(ctx, version_id)  -> CandidateMetrics (recorded evaluation)
-    gate(ctx, candidates)                -> GateOutcome    checks, decisions, selection
+    run_candidates(ctx)                  -> list[CandidateRun]  each (method, seed): train_candidate, then
+                                                            evaluate_candidate per version, here or on a work pool
+    gate(ctx, candidates, failed)        -> GateOutcome    checks, decisions, selection
     promote(ctx, version_id, reason)     -> ReleaseInfo | None
 
 What a stage computes *with* (the opened ledger/store/MLflow, the loaded backbone, verified
@@ -124,6 +124,7 @@ class CycleResult:
     state: str  # the state folder the records are in
     selected: Optional[str] = None  # the candidate the gate selected (also when it lost a race)
     candidates: dict[str, bool] = field(default_factory=dict)  # candidate -> passed the gate
+    failed: dict[str, str] = field(default_factory=dict)  # candidate (method and seed) that did not finish -> why
     report: Optional[str] = None  # the cycle report's path (None when idle)
     reason: Optional[str] = None  # why the cycle was idle
     seconds: dict[str, float] = field(default_factory=dict)  # wall seconds per phase, in order

@@ -339,10 +339,31 @@ def finite_check(c: CandidateMetrics) -> GateCheckRecord:
     )
 
 
+def candidates_check(failed: dict[str, str], total: int, policy: ReleasePolicy) -> GateCheckRecord:
+    """The cycle's other candidates finished (`failed`: candidate -> why not, of `total`): with
+    candidates.require_all a failure rejects every candidate (the cycle decides on all it was
+    told to train, or on none); without it the gate decides among those that finished."""
+    require = policy.candidates.require_all
+    why = "; ".join(f"{name}: {reason}" for name, reason in failed.items())
+    verdict = "the cycle is rejected (candidates.require_all)" if require else "the gate decides among the others"
+    return GateCheckRecord(
+        name="all_candidates_finished",
+        threshold=0.0 if require else None,
+        measured=float(len(failed)),
+        passed=not (failed and require),
+        detail=f"{len(failed)} of {total} candidates failed ({why}): {verdict}" if failed else f"all {total} finished",
+    )
+
+
 def run_checks(
-    c: CandidateMetrics, policy: ReleasePolicy, domains: Optional[list[str]] = None
+    c: CandidateMetrics,
+    policy: ReleasePolicy,
+    domains: Optional[list[str]] = None,
+    failed: Optional[dict[str, str]] = None,
+    total: int = 0,
 ) -> list[GateCheckRecord]:
-    """Every check of the policy; `domains`: the configured retained domains the cycle watches.
+    """Every check of the policy; `domains`: the configured retained domains the cycle watches;
+    `failed`: the cycle's candidates that did not finish (of `total`), checked only when there are any.
     Never raises: a family of checks that cannot be computed on these values is one failed check."""
     families = [
         ("target_gain_vs_champion", lambda: [target_check(c, policy)]),
@@ -353,6 +374,8 @@ def run_checks(
         ("csqa_choice_churn", lambda: churn_check(c, policy, domains)),
         ("all_metrics_finite", lambda: [finite_check(c)]),
     ]
+    if failed:
+        families.append(("all_candidates_finished", lambda: [candidates_check(failed, total, policy)]))
     out = []
     for name, checks in families:
         try:

@@ -49,6 +49,12 @@ class Candidates:
         factory=lambda: ["atlas"],
     )
     seeds: list[int] = field("Seeds; every method is trained once per seed.", factory=lambda: [0])
+    require_all: bool = field(
+        "When a candidate fails (its training or evaluation raised, its flow run crashed or was cancelled): "
+        "true rejects the whole cycle (a rerun resumes the failed one and reuses the rest); false lets the gate "
+        "decide among the candidates that finished.",
+        True,
+    )
 
     def __post_init__(self) -> None:
         for name, items in (("methods", self.methods), ("seeds", self.seeds)):
@@ -292,7 +298,10 @@ class ReleasePolicy:
             )
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.candidates.require_all:  # the default: labels of policies written before it stay as they were
+            del d["candidates"]["require_all"]
+        return d
 
     @property
     def hash(self) -> str:

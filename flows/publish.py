@@ -90,13 +90,15 @@ def publish_report(
     release: Optional[ReleaseInfo],
     phases: dict[str, float],
     steps: dict[str, float],
+    failed: Optional[dict[str, str]] = None,
 ) -> str:
-    """Write the report, then publish it as a Prefect artifact and as an MLflow run's artifacts."""
+    """Write the report, then publish it as a Prefect artifact and as an MLflow run's artifacts;
+    `failed`: candidates (method and seed) that did not finish, and why."""
     with scope(ctx.platform) as res:
-        return _write_and_publish(res.platform, ctx, candidates, outcome, release, phases, steps)
+        return _write_and_publish(res.platform, ctx, candidates, outcome, release, phases, steps, failed or {})
 
 
-def _write_and_publish(p, ctx: CycleContext, candidates, outcome: GateOutcome, release, phases, steps) -> str:
+def _write_and_publish(p, ctx: CycleContext, candidates, outcome: GateOutcome, release, phases, steps, failed) -> str:
     from .compare import compare_versions
     from .report import report_folder, write_report
 
@@ -115,6 +117,8 @@ def _write_and_publish(p, ctx: CycleContext, candidates, outcome: GateOutcome, r
         "layer": ctx.layer,
         "champion before": champion.name,
     }
+    if failed:
+        header["failed candidates"] = "; ".join(f"{name} ({why})" for name, why in failed.items())
     where = [
         f"MLflow UI: `.venv/bin/mlflow ui --backend-store-uri {p.bridge.config.tracking_uri}` "
         f"(experiment '{model.backbone} / {model.line}', registered model '{model.name}')",

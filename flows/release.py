@@ -56,6 +56,7 @@ def _record_decision(db, ctx: CycleContext, m: CandidateMetrics, checks: list[Ga
         and last.release_version_id == ctx.champion_id
         and last.policy_name == policy.label
         and last.evaluation_id is not None
+        and [(c.name, c.passed) for c in last.checks] == [(c.name, c.passed) for c in checks]  # not when others failed
     ):
         return last.id
     info = record_gate_decision(
@@ -86,16 +87,19 @@ def publish(platform: PlatformRef, version_id: int) -> str:
 
 
 @flow(name="gate", validate_parameters=True)
-def gate(ctx: CycleContext, candidates: list[CandidateMetrics]) -> GateOutcome:
+def gate(
+    ctx: CycleContext, candidates: list[CandidateMetrics], failed: Optional[dict[str, str]] = None, total: int = 0
+) -> GateOutcome:
     """Check every candidate against the policy (fail closed), record each decision, select one;
-    decisions are measured against `ctx.champion` (the base while nobody holds `champion`)."""
+    decisions are measured against `ctx.champion` (the base while nobody holds `champion`).
+    `failed`: the cycle's candidates (method and seed) that did not finish, and why, of `total`."""
     log = get_run_logger()
     checks, decisions = {}, {}
     for m in candidates:
-        checks[m.version_id] = run_checks(m, ctx.policy, ctx.config.domain_names)
+        checks[m.version_id] = run_checks(m, ctx.policy, ctx.config.domain_names, failed, total)
         decisions[m.version_id] = record_decision(ctx, m, checks[m.version_id])
-        failed = [c.name for c in checks[m.version_id] if not c.passed]
-        log.info(f"{m.name}: {'PASS' if not failed else 'REJECT (' + ', '.join(failed) + ')'}")
+        rejected_by = [c.name for c in checks[m.version_id] if not c.passed]
+        log.info(f"{m.name}: {'PASS' if not rejected_by else 'REJECT (' + ', '.join(rejected_by) + ')'}")
         publish(ctx.platform, m.version_id)
     selected = select(candidates, {v: passed(c) for v, c in checks.items()}, ctx.policy)
     return GateOutcome(checks, decisions, selected)

@@ -1,7 +1,7 @@
 """Serving the `update` deployment from one process (what Prefect knows of its runs: flows/prefect_runs.py).
 
-`serving_plan` reads deployments of deploy/prefect.yaml (schedule, parameters; by default
-every scheduled one, e.g. one per line or skill) and `serve_update` serves them all from one
+`serving_plan` reads deployments of deploy/prefect.yaml (schedule, event triggers, parameters; by
+default every scheduled one, e.g. one per line or skill) and `serve_update` serves them all from one
 process with `prefect.serve`: it registers the deployments and runs each scheduled (or
 manually triggered) cycle itself; no work pool or worker is needed. Without
 PREFECT_API_URL, Prefect runs in local mode with its database under the state folder.
@@ -54,19 +54,35 @@ def serving_plan(
     for name in names:
         spec = deployment_spec(name, path, specs)
         schedules = spec.get("schedules") or [{}]
-        if not (cron or schedules[0].get("cron")):
-            raise InputError(f"{path}: deployment {name!r} has no cron schedule; give one with --cron")
+        triggers = spec.get("triggers") or []
+        if not (cron or schedules[0].get("cron") or triggers):
+            raise InputError(f"{path}: deployment {name!r} has no cron schedule and no trigger; give one with --cron")
         plan.append(
             {
                 "name": name,
-                "cron": cron or schedules[0]["cron"],
+                "cron": cron or schedules[0].get("cron"),
                 "timezone": schedules[0].get("timezone", "UTC"),
                 "parameters": {**spec.get("parameters", {}), **given},
                 "description": spec.get("description"),
                 "tags": spec.get("tags"),
+                "triggers": triggers,
             }
         )
     return plan
+
+
+def deployment_triggers(specs: list[dict], where: str) -> list:
+    """deploy/prefect.yaml's `triggers:` entries as Prefect deployment triggers (validated)."""
+    from prefect.events.schemas.deployment_triggers import DeploymentTriggerTypes
+    from pydantic import TypeAdapter, ValidationError
+
+    out = []
+    for i, spec in enumerate(specs):
+        try:
+            out.append(TypeAdapter(DeploymentTriggerTypes).validate_python(spec))
+        except ValidationError as e:
+            raise InputError(f"{where}.triggers[{i}]: {' '.join(str(e).split())}") from None
+    return out
 
 
 def runner_deployments(plan: list[dict]) -> list:
@@ -78,10 +94,11 @@ def runner_deployments(plan: list[dict]) -> list:
     return [
         update.to_deployment(
             name=d["name"],
-            schedule=Cron(d["cron"], timezone=d["timezone"]),
+            schedule=Cron(d["cron"], timezone=d["timezone"]) if d["cron"] else None,
             parameters=d["parameters"],
             description=d["description"],
             tags=d["tags"],
+            triggers=deployment_triggers(d.get("triggers", []), f"deployment {d['name']}"),
         )
         for d in plan
     ]
@@ -93,7 +110,9 @@ def serve_update(plan: list[dict]) -> None:
 
     deployments = runner_deployments(plan)
     for d in plan:
+        when = f"cron '{d['cron']}' ({d['timezone']})" if d["cron"] else "no schedule"
+        events = [t.get("expect") for t in d.get("triggers", [])]
         print(
-            f"serving deployment update/{d['name']}: cron '{d['cron']}' ({d['timezone']}), parameters {d['parameters']}"
+            f"serving deployment update/{d['name']}: {when}, triggers {events or 'none'}, parameters {d['parameters']}"
         )
     serve(*deployments)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -202,16 +203,18 @@ def retained_stats_for(res: Resources, ctx: CycleContext, run_config, model, tok
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
 def reconcile_checkpoints(
-    platform: PlatformRef, evaluate: str, training_run_id: int, checkpoints: list[str]
+    platform: PlatformRef, evaluate: str, training_run_id: int, checkpoints: list[str], end: bool = True
 ) -> list[int]:
-    """Record any checkpoint a crash left unrecorded; return the run's candidate version ids."""
+    """Record any checkpoint a crash left unrecorded, end the run (`end`: it just trained; a reused
+    finished run keeps its finish time); return the run's candidate version ids."""
     from registry import end_mlflow_run, register_version, run_checkpoints
 
     with scope(platform) as res:
         for path in checkpoints:
             if Path(path).is_dir():
                 record_checkpoint_files(res, evaluate, training_run_id, Path(path))
-        end_mlflow_run(res.ledger, res.platform.bridge, training_run_id, "finished")
+        if end:
+            end_mlflow_run(res.ledger, res.platform.bridge, training_run_id, "finished")
         recorded = run_checkpoints(res.ledger, training_run_id)
         eligible = [
             cid for cid, _, _, m in recorded if evaluate == "all" or (evaluate == "epoch-ends" and m.get("epoch_end"))
@@ -222,47 +225,62 @@ def reconcile_checkpoints(
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)
-def end_training_run(platform: PlatformRef, training_run_id: int, status: str) -> None:
+def end_training_run(platform: PlatformRef, training_run_id: int, status: str, failure: Optional[str] = None) -> None:
     from registry import end_mlflow_run
 
     with scope(platform) as res:
-        end_mlflow_run(res.ledger, res.platform.bridge, training_run_id, status)
+        end_mlflow_run(res.ledger, res.platform.bridge, training_run_id, status, failure)
+
+
+def planned_run(ctx: CycleContext, skill: SkillSet, method: str, seed: int) -> tuple[object, object, str]:
+    """(run config, atlas variant, run key) of one candidate of the policy."""
+    run_config, variant = run_config_for(ctx, method, seed)
+    return run_config, variant, run_key(ctx, method, run_config, variant, skill)
 
 
 def planned_runs(ctx: CycleContext, skill: SkillSet) -> list[tuple[str, int, object, object, str]]:
     """(method, seed, run config, atlas variant, run key) of every candidate the policy lists."""
-    out = []
-    for method in ctx.policy.candidates.methods:
-        for seed in ctx.policy.candidates.seeds:
-            run_config, variant = run_config_for(ctx, method, seed)
-            out.append((method, seed, run_config, variant, run_key(ctx, method, run_config, variant, skill)))
-    return out
+    c = ctx.policy.candidates
+    return [(m, s, *planned_run(ctx, skill, m, s)) for m in c.methods for s in c.seeds]
+
+
+def failure_reason(error: BaseException) -> str:
+    """How a failure is recorded: the exception's type and message, on one line."""
+    return " ".join(f"{type(error).__name__}: {error}".split())
+
+
+@flow(name="train_candidate", validate_parameters=True)
+def train_candidate(ctx: CycleContext, method: str, seed: int) -> list[int]:
+    """Train one candidate (method, seed) on top of the champion, or resume it, or reuse it when its
+    run already finished; returns its active candidate versions (retired ones are never candidates
+    again). A training that raises is recorded failed with the reason before the error goes on."""
+    from evaluation.timing import phase
+    from registry import ensure_dataset, get_version
+
+    with scope(ctx.platform) as res:
+        skill = skill_set(ctx.skill)
+        dataset_id = ensure_dataset(res.ledger, skill.dataset_name, skill.split, skill.sha256)
+        run_config, variant, key = planned_run(ctx, skill, method, seed)
+        run_id, status = open_training_run(ctx, method, seed, run_config, variant, key, dataset_id, skill.sha256)
+        run_dir = res.state / "runs" / ctx.skill.name / f"{method}-s{seed}-{key[:12]}"
+        checkpoints = []
+        if status == "finished":
+            get_run_logger().info(f"{method} seed {seed}: training run {run_id} already finished; reusing it")
+        else:
+            try:
+                with phase(f"train {method} s{seed}"):
+                    checkpoints = train_run(ctx, run_id, run_config, variant, skill, run_dir)
+            except Exception as e:  # shown FAILED, with why, until a rerun resumes it from its last checkpoint
+                end_training_run(ctx.platform, run_id, "failed", failure_reason(e))
+                raise
+        versions = reconcile_checkpoints(ctx.platform, ctx.config.evaluate, run_id, checkpoints, status != "finished")
+        return [v for v in versions if get_version(res.ledger, v).status == "active"]
 
 
 @flow(name="train_skill", validate_parameters=True)
 def train_skill(ctx: CycleContext) -> list[int]:
-    """Train the candidates the policy lists (method x seed) on top of the champion; returns the
-    ids of their active candidate versions (retired ones are never candidates again)."""
-    from evaluation.timing import phase
-    from registry import ensure_dataset, get_version
-
-    log = get_run_logger()
-    with scope(ctx.platform) as res:
-        skill = skill_set(ctx.skill)
-        dataset_id = ensure_dataset(res.ledger, skill.dataset_name, skill.split, skill.sha256)
-        versions: list[int] = []
-        for method, seed, run_config, variant, key in planned_runs(ctx, skill):
-            run_id, status = open_training_run(ctx, method, seed, run_config, variant, key, dataset_id, skill.sha256)
-            run_dir = res.state / "runs" / ctx.skill.name / f"{method}-s{seed}-{key[:12]}"
-            if status == "finished":
-                log.info(f"{method} seed {seed}: training run {run_id} already finished; reusing its checkpoints")
-                checkpoints = []
-            else:
-                try:
-                    with phase(f"train {method} s{seed}"):
-                        checkpoints = train_run(ctx, run_id, run_config, variant, skill, run_dir)
-                except Exception:  # shown FAILED until a rerun resumes it from its last checkpoint
-                    end_training_run(ctx.platform, run_id, "failed")
-                    raise
-            versions += reconcile_checkpoints(ctx.platform, ctx.config.evaluate, run_id, checkpoints)
-        return [v for v in versions if get_version(res.ledger, v).status == "active"]
+    """Train every candidate the policy lists (method x seed), one after another; returns their
+    active candidate versions. (A cycle runs each candidate as training + evaluation instead:
+    flows/candidates.py.)"""
+    c = ctx.policy.candidates
+    return [v for m in c.methods for s in c.seeds for v in train_candidate(ctx, m, s)]

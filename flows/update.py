@@ -1,7 +1,7 @@
 """update: the whole scheduled cycle, for one skill on one line.
 
-    resolve_lineage -> (idle?) -> refresh_atlas -> (idle?) -> train_skill -> evaluate_candidate (each)
-        -> gate -> promote -> publish_report
+    resolve_lineage -> (idle?) -> refresh_atlas -> (idle?) -> run_candidates (each: train + evaluate,
+        here or on a work pool) -> gate -> promote -> publish_report
 
 Each stage takes and returns plain typed values (flows/cycle.py: CycleContext, AtlasRef,
 CandidateMetrics, GateOutcome, ReleaseInfo) and is a Prefect flow or task of its own, so its
@@ -35,9 +35,10 @@ from atlas_core.errors import InputError
 from evaluation.timing import take as take_steps
 from registry import alias_holder
 
+from .candidates import require_work_pool, run_candidates
 from .config import UpdateConfig
 from .cycle import CycleContext, CycleResult, load_cycle
-from .evaluate import eval_key, evaluate_candidate, record_base
+from .evaluate import eval_key, record_base
 from .lineage import already_gated, resolve_lineage, taught_by_chain
 from .platform import DEFAULT_CONFIG, DEFAULT_POLICY, PlatformRef
 from .policy import ReleasePolicy
@@ -46,7 +47,7 @@ from .refresh import refresh_atlas
 from .release import gate, promote
 from .resources import Resources, scope
 from .skills import skill_set
-from .training import planned_runs, train_skill
+from .training import planned_runs
 
 
 def needed_atlas_variants(ctx: CycleContext) -> list[str]:
@@ -132,6 +133,7 @@ def _run_stages(res: Resources, ctx: CycleContext, clock: PhaseClock) -> CycleRe
             f"skill {ctx.skill.name!r} snapshot {data.sha256[:12]} is already released "
             f"in the champion's chain ({taught}); nothing new to train",
         )
+    require_work_pool(ctx.config.execution)
     atlases = []
     for variant in needed_atlas_variants(ctx):
         atlases.append(refresh_atlas(ctx, variant))
@@ -144,15 +146,12 @@ def _run_stages(res: Resources, ctx: CycleContext, clock: PhaseClock) -> CycleRe
             f"{ctx.champion.version.name} with policy {ctx.policy.label}",
         )
     champion = ctx.champion.version
-    versions = [v for v in train_skill(ctx) if v != champion.id]
-    clock.lap("training")
-    candidates = []
-    for v in versions:
-        candidates.append(evaluate_candidate(ctx, v))
-        clock.lap(f"evaluate {candidates[-1].name}")  # champion and base answers are generated once, in the first
+    runs = run_candidates(ctx, clock.lap)
+    candidates = [m for run in runs for m in run.metrics]
+    failed = {run.label: run.failure for run in runs if run.failure is not None}
     record_base(ctx)
     clock.lap("evaluate base")
-    outcome = gate(ctx, candidates)
+    outcome = gate(ctx, candidates, failed, len(runs))
     clock.lap("gate")
     release = None
     if outcome.selected is not None:
@@ -166,7 +165,7 @@ def _run_stages(res: Resources, ctx: CycleContext, clock: PhaseClock) -> CycleRe
         )
         clock.lap("promote")
     steps = take_steps()
-    report = publish_report(ctx, candidates, outcome, release, clock.phases, steps)
+    report = publish_report(ctx, candidates, outcome, release, clock.phases, steps, failed)
     get_run_logger().info(f"report: {report}")
     new_champion = alias_holder(res.ledger, ctx.model.id) or ctx.base.version
     result = "promoted" if release is not None else "not-promoted" if outcome.selected is not None else "rejected"
@@ -178,6 +177,7 @@ def _run_stages(res: Resources, ctx: CycleContext, clock: PhaseClock) -> CycleRe
         state=ctx.platform.state,
         selected=outcome.selected.name if outcome.selected else None,
         candidates={c.name: outcome.verdict(c.version_id) for c in candidates},
+        failed=failed,
         report=report,
         seconds=dict(clock.phases),
         steps=steps,

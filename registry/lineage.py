@@ -226,12 +226,18 @@ def link_mlflow_run(ledger: Ledger, training_run_id: int, mlflow_run_id: str) ->
         require_row(s, TrainingRun, training_run_id, "training run").mlflow_run_id = mlflow_run_id
 
 
-def finish_training_run(ledger: Ledger, training_run_id: int, status: str = "finished") -> None:
+def finish_training_run(
+    ledger: Ledger, training_run_id: int, status: str = "finished", failure: Optional[str] = None
+) -> None:
+    """Set a training run's status; `failure` (why it failed) only with status "failed"."""
     if status not in RUN_STATUSES:
         raise LedgerError(f"training run status: expected one of {RUN_STATUSES}, got {status!r}")
+    if failure is not None and status != "failed":
+        raise LedgerError(f"training run failure: only a failed run has one (status {status!r})")
     with ledger.transaction() as s:
         row = require_row(s, TrainingRun, training_run_id, "training run")
         row.status = status
+        row.failure = failure
         row.finished_at = None if status == "running" else utcnow()
 
 

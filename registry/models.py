@@ -135,6 +135,7 @@ class TrainingRun(Base):
     seed: Mapped[int] = mapped_column(Integer)
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
     status: Mapped[str] = mapped_column(String(16))  # running | finished | failed
+    failure: Mapped[Optional[str]] = mapped_column(Text)  # why it failed (None unless status is failed)
     flow_run_id: Mapped[Optional[str]] = mapped_column(String(64))
     mlflow_run_id: Mapped[Optional[str]] = mapped_column(String(64))
     started_at: Mapped[datetime] = _created_at()

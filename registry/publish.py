@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from registry.db import Ledger, LedgerError
 from registry.lineage import finish_training_run, link_mlflow_run
@@ -21,6 +22,7 @@ from registry.rows import require_row
 from registry.store import ArtifactStore, atomic_write_text, sha256_bytes
 
 RUN_TAG = "ledger.training_run_id"
+FAILURE_TAG = "atlas.failure"  # why a failed training run failed (its ledger row's `failure`)
 VERSION_TAG = "ledger.version_id"
 RELEASE_FORMAT = 2  # the folder layout atlas_core.release reads
 MANIFEST, SIDECAR = "manifest.json", "manifest.sha256"  # atlas_core.release.MANIFEST / SIDECAR
@@ -79,11 +81,17 @@ def ensure_mlflow_run(ledger: Ledger, bridge: MlflowBridge, training_run_id: int
     return run_id
 
 
-def end_mlflow_run(ledger: Ledger, bridge: MlflowBridge, training_run_id: int, status: str) -> None:
-    """Set a training run's ledger status ("running" | "finished" | "failed") and its MLflow run's
-    to match (RUNNING | FINISHED | FAILED), so the MLflow UI shows runs end when training ends."""
-    finish_training_run(ledger, training_run_id, status)
-    bridge.set_run_status(ensure_mlflow_run(ledger, bridge, training_run_id), status.upper())
+def end_mlflow_run(
+    ledger: Ledger, bridge: MlflowBridge, training_run_id: int, status: str, failure: Optional[str] = None
+) -> None:
+    """Set a training run's ledger status ("running" | "finished" | "failed", with `failure`: why) and
+    its MLflow run's to match (RUNNING | FINISHED | FAILED, the reason as tag `atlas.failure`), so the
+    MLflow UI shows runs end when training ends and why one failed."""
+    finish_training_run(ledger, training_run_id, status, failure)
+    run_id = ensure_mlflow_run(ledger, bridge, training_run_id)
+    if failure is not None:
+        bridge.client.set_tag(run_id, FAILURE_TAG, failure[:5000])  # MLflow caps tag values
+    bridge.set_run_status(run_id, status.upper())
 
 
 def log_checkpoint(ledger: Ledger, bridge: MlflowBridge, checkpoint_id: int) -> None:

@@ -26,7 +26,7 @@ def test_migration_from_empty_database_matches_the_models(ledger_url):
         tables = set(inspect(engine).get_table_names())
         assert {t.name for t in Base.metadata.sorted_tables} | {VERSION_TABLE} == tables
         with engine.connect() as conn:
-            assert conn.scalar(text(f"SELECT version_num FROM {VERSION_TABLE}")) == "0004"
+            assert conn.scalar(text(f"SELECT version_num FROM {VERSION_TABLE}")) == "0005"
             context = MigrationContext.configure(conn, opts={"compare_type": True, "version_table": VERSION_TABLE})
             assert compare_metadata(context, Base.metadata) == []
         r.init_db(ledger_url).close()  # a second init is a no-op
