@@ -31,6 +31,7 @@ BENCHMARKS = {
     "kl_cache": (["bench/kl_cache.py"], "Retained KL with caches vs two full forwards"),
     "decoding": (["bench/decoding.py"], "Decoding throughput, base vs adapted"),
     "update_cycle": (["bench/update_cycle.py"], "End-to-end update cycle (the main job)"),
+    "long_line": (["bench/long_line.py"], "A long line: eight releases on one line, each release's cost"),
 }
 
 
