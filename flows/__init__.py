@@ -3,13 +3,15 @@
     update            the whole cycle (flows/update.py), typed stages (flows/cycle.py)
       resolve_lineage backbone, line, champion chain, skills -> CycleContext (flows/update.py)
       refresh_atlas   reuse or fit the retained atlas (flows/refresh.py)
-      train_skill     train the policy's candidates, checkpoints recorded as they appear (flows/training.py)
-      evaluate_candidate  target score, retained KL, answers, churn (flows/evaluate.py)
+      run_candidates  every method x seed as one `candidate` flow each, here or on a work pool (flows/candidates.py):
+        train_candidate     train one delta, checkpoints recorded as they appear (flows/training.py)
+        evaluate_candidate  target score, retained KL, answers, churn (flows/evaluate.py)
       gate / promote  release policy checks, selection, champion move (flows/release.py)
     rollback          move champion back (flows/release.py)
     load_release      a version as a ready transformers model (flows/serving.py; MLflow pyfunc: flows/pyfunc.py)
     submit_candidate  an adapter trained elsewhere as a candidate version (flows/submit.py)
     gate_candidate    the gate for one existing candidate, e.g. a submitted one (flows/gate_check.py)
+    add_snapshot      a skill's new data, written complete, announced as an event (flows/snapshots.py, flows/events.py)
 
 Configs: flows/config.py (UpdateConfig, configs/update/), flows/policy.py (ReleasePolicy,
 configs/policy/). Where state lives: flows/platform.py (PlatformRef); what the stages compute with

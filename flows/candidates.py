@@ -39,6 +39,7 @@ from atlas_core.errors import InputError
 from .cycle import CycleContext
 from .evaluate import evaluate_candidate, stored_metrics
 from .metrics import CandidateMetrics
+from .platform import subflows_without_heartbeats
 from .resources import scope
 from .training import failure_reason, train_candidate
 
@@ -62,7 +63,7 @@ def candidate(ctx: CycleContext, method: str, seed: int) -> list[int]:
     """One candidate: train (method, seed) on top of the champion and evaluate each of its active
     versions against the champion and the base, everything recorded; returns the version ids.
     In work-pool mode it holds one slot of `execution.slots` while it runs."""
-    with scope(ctx.platform), _slot(ctx.config.execution):
+    with scope(ctx.platform), _slot(ctx.config.execution), subflows_without_heartbeats():
         versions = [v for v in train_candidate(ctx, method, seed) if v != ctx.champion.version.id]
         for v in versions:
             evaluate_candidate(ctx, v)

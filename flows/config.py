@@ -233,9 +233,14 @@ class ExecutionSpec:
             raise ConfigError(f"candidates: expected one of {MODES}, got {self.candidates!r}")
         if "/" not in self.deployment:
             raise ConfigError(f"deployment: expected 'flow/deployment', got {self.deployment!r}")
-        for name in ("heartbeat_timeout_s", "poll_seconds"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name}: expected a positive number of seconds, got {getattr(self, name)!r}")
+        if self.slots is not None and not NAME.match(self.slots):
+            raise ConfigError(f"slots: expected the name of a global concurrency limit, or null; got {self.slots!r}")
+        if not self.heartbeat_timeout_s > 0:
+            raise ConfigError(
+                f"heartbeat_timeout_s: expected a positive number of seconds, got {self.heartbeat_timeout_s!r}"
+            )
+        if not 0 < self.poll_seconds <= 600:
+            raise ConfigError(f"poll_seconds: expected seconds in (0, 600], got {self.poll_seconds!r}")
 
 
 @dataclass

@@ -84,6 +84,7 @@ def gate_candidate(
     from .config import load_update_config
     from .evaluate import evaluate_candidate, record_base
     from .lineage import resolve_lineage
+    from .platform import subflows_without_heartbeats
     from .policy import load_cycle_policy
     from .publish import PhaseClock, publish_report
     from .release import gate
@@ -91,7 +92,7 @@ def gate_candidate(
     from .resources import scope
 
     cfg, platform = load_update_config(config, line=line), PlatformRef.from_environment()
-    with scope(platform) as res:
+    with scope(platform) as res, subflows_without_heartbeats():
         db, clock = res.ledger, PhaseClock()
         ctx = resolve_lineage(cfg, load_cycle_policy(policy, cfg), platform, flow_run.id)
         v = candidate_version(db, ctx.model.id, version, ctx.skill.name)

@@ -40,7 +40,7 @@ from .config import UpdateConfig
 from .cycle import CycleContext, CycleResult, load_cycle
 from .evaluate import eval_key, record_base
 from .lineage import already_gated, resolve_lineage, taught_by_chain
-from .platform import DEFAULT_CONFIG, DEFAULT_POLICY, PlatformRef
+from .platform import DEFAULT_CONFIG, DEFAULT_POLICY, PlatformRef, subflows_without_heartbeats
 from .policy import ReleasePolicy
 from .publish import PhaseClock, publish_report
 from .refresh import refresh_atlas
@@ -109,7 +109,7 @@ def update_parsed(config: UpdateConfig, policy: ReleasePolicy, platform: Platfor
 
 def cycle(config: UpdateConfig, policy: ReleasePolicy, platform: PlatformRef) -> CycleResult:
     """The stages of one cycle, inside one resources scope (one backbone, one cache per member)."""
-    with scope(platform):
+    with scope(platform), subflows_without_heartbeats():
         clock = PhaseClock()
         take_steps()  # the step table starts with this cycle
         ctx = resolve_lineage(config, policy, platform, flow_run.id)
@@ -120,7 +120,7 @@ def cycle(config: UpdateConfig, policy: ReleasePolicy, platform: PlatformRef) ->
 def run_cycle(ctx: CycleContext, clock: Optional[PhaseClock] = None) -> CycleResult:
     """The stages after resolve_lineage, each taking and returning plain values; `clock` has
     already timed resolve_lineage (backbone load, ledger, champion chain)."""
-    with scope(ctx.platform) as res:
+    with scope(ctx.platform) as res, subflows_without_heartbeats():
         return _run_stages(res, ctx, clock or PhaseClock())
 
 

@@ -60,6 +60,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     # the hub cache or files a cycle writes later); '' is refused at load.
     ("update", "backbone", "string"): "an alias, a local folder or a cached hub id, resolved when the model loads",
     ("run", "backbone", "string"): "an alias, a local folder or a cached hub id, resolved when the model loads",
+    ("update", "execution.slots", "string"): "a Prefect global concurrency limit: checked to exist before anything "
+    "trains, in work-pool mode (flows/candidates.py: require_work_pool)",
     ("run", "atlas", "string"): "read when the adapter is built; a cycle writes its own atlas path here",
     (
         "run",
@@ -109,6 +111,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ): "valid until the line has a released skill (require_released, per cycle)",
     # Huge numbers where the range is open above.
     ("update", "train.lr", "huge"): _UNBOUNDED,
+    ("update", "execution.heartbeat_timeout_s", "huge"): _UNBOUNDED + " (a silent candidate is waited for)",
     ("update", "target.options.solved_below", "huge"): _UNBOUNDED + " (every problem counts as solved)",
     ("policy", "min_target_gain", "huge"): "refused once the target's problem count is known (require_feasible_target)",
     ("policy", "max_kl_vs_champion.*", "huge"): _UNBOUNDED + " (no limit in effect)",

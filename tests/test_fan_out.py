@@ -27,7 +27,7 @@ CYCLE = (
     "import json, sys; from flows.platform import configure_environment; configure_environment(); "
     "from flows.update import update; print('RESULT ' + json.dumps(update(sys.argv[1], sys.argv[2]).to_dict()))"
 )
-WORK_POOL = {"candidates": "work-pool", "heartbeat_timeout_s": 75, "poll_seconds": 2}
+WORK_POOL = {"candidates": "work-pool", "heartbeat_timeout_s": 50, "poll_seconds": 2}  # heartbeats every 30 s
 
 
 def _start_cycle(config: str, policy: str, env: dict) -> subprocess.Popen:
