@@ -100,10 +100,10 @@ def _in_process(ctx: CycleContext, method: str, seed: int) -> Optional[str]:
 def _joined(ctx: CycleContext, method: str, seed: int, failure: Optional[str]) -> CandidateRun:
     """The candidate's active versions and their recorded evaluations, read from the ledger; one
     without a recorded evaluation is a failure (nothing unrecorded reaches the gate)."""
-    from registry import find_training_run, run_versions
+    from registry import find_training_run, get_version
 
     from .skills import skill_set
-    from .training import end_training_run, planned_run
+    from .training import candidate_versions, end_training_run, planned_run
 
     with scope(ctx.platform) as res:
         db = res.ledger
@@ -117,7 +117,7 @@ def _joined(ctx: CycleContext, method: str, seed: int, failure: Optional[str]) -
         if found is None or found[1] != "finished":
             return CandidateRun(method, seed, failure=f"its training run is {found[1] if found else 'missing'}")
         metrics = []
-        for version in run_versions(db, found[0]):
+        for version in (get_version(db, v) for v in candidate_versions(db, found[0], ctx.config.evaluate)):
             if version.status != "active" or version.id == ctx.champion.version.id:
                 continue
             m = stored_metrics(db, ctx, version)

@@ -207,7 +207,7 @@ def reconcile_checkpoints(
 ) -> list[int]:
     """Record any checkpoint a crash left unrecorded, end the run (`end`: it just trained; a reused
     finished run keeps its finish time); return the run's candidate version ids."""
-    from registry import end_mlflow_run, register_version, run_checkpoints
+    from registry import end_mlflow_run
 
     with scope(platform) as res:
         for path in checkpoints:
@@ -215,13 +215,21 @@ def reconcile_checkpoints(
                 record_checkpoint_files(res, evaluate, training_run_id, Path(path))
         if end:
             end_mlflow_run(res.ledger, res.platform.bridge, training_run_id, "finished")
-        recorded = run_checkpoints(res.ledger, training_run_id)
-        eligible = [
-            cid for cid, _, _, m in recorded if evaluate == "all" or (evaluate == "epoch-ends" and m.get("epoch_end"))
-        ]
-        if evaluate == "final" and recorded:
-            eligible = [recorded[-1][0]]
-        return [register_version(res.ledger, cid).id for cid in eligible]
+        return candidate_versions(res.ledger, training_run_id, evaluate)
+
+
+def candidate_versions(db, training_run_id: int, evaluate: str) -> list[int]:
+    """The run's candidate versions under the config's which-checkpoints setting `evaluate` (every
+    checkpoint, the epoch ends, or the final one), registered once (idempotent)."""
+    from registry import register_version, run_checkpoints
+
+    recorded = run_checkpoints(db, training_run_id)
+    eligible = [
+        cid for cid, _, _, m in recorded if evaluate == "all" or (evaluate == "epoch-ends" and m.get("epoch_end"))
+    ]
+    if evaluate == "final" and recorded:
+        eligible = [recorded[-1][0]]
+    return [register_version(db, cid).id for cid in eligible]
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, retry_condition_fn=transient_only)

@@ -1,8 +1,11 @@
-"""Candidates fan out over a Prefect work pool (`execution.candidates: work-pool`), on one machine:
-PostgreSQL ledger, Prefect and MLflow servers, two process workers on loopback (tests/multihost_fixtures.py).
+"""The multi-host setup on one machine, with candidates fanned out over a Prefect work pool
+(`execution.candidates: work-pool`): PostgreSQL ledger, Prefect and MLflow servers on PostgreSQL,
+process workers on loopback (tests/multihost_fixtures.py); deploy/prefect.yaml's `update` and
+`candidate` deployments deployed with the Prefect CLI (docs/FLOWS.md, "Multi-host").
 
-1. A cycle of two candidates runs them in the two workers at once (their flow runs' intervals
-   overlap); its gate decisions and metrics equal those of the same cycle run in-process.
+1. The `update` deployment, run by a worker, runs its two candidates in two other workers at once
+   (their flow runs' intervals overlap); its gate decisions and metrics equal those of the same
+   cycle run in-process, and the champion moved in the ledger and on the MLflow server.
 2. A worker killed while its candidate trains: the cycle marks the silent flow run crashed, records
    the candidate failed with the reason, and the policy (require_all) rejects the cycle; the rerun
    resumes the killed training from its last checkpoint and does not retrain or re-evaluate the other.
@@ -59,6 +62,25 @@ def _candidate_runs(api_url: str, prefix: str) -> list:
     return sorted((r for r in runs if r.name.startswith(prefix)), key=lambda r: r.name)
 
 
+def _final_state(api_url: str, flow_run_id: str, timeout: float) -> dict:
+    import httpx
+
+    deadline, state = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        state = httpx.get(f"{api_url}/flow_runs/{flow_run_id}", timeout=10).json()["state"]
+        if state and state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return state
+        time.sleep(2)
+    pytest.fail(f"flow run {flow_run_id} did not end within {timeout} s: {state}")
+
+
+def _champion(ledger_url: str, model: str):
+    from registry import alias_holder, get_model, init_db
+
+    with init_db(ledger_url) as ledger:
+        return alias_holder(ledger, get_model(ledger, model).id)
+
+
 def _decisions(ledger_url: str, model: str) -> dict:
     """version name -> [(check, passed, measured)] of its newest gate decision."""
     from registry import get_model, init_db, latest_gate_decision, list_versions
@@ -98,36 +120,52 @@ def _kill_worker_of(pid: int, workers: list[subprocess.Popen]) -> subprocess.Pop
 
 def test_candidates_fan_out_over_two_workers_and_a_killed_one_fails_then_resumes(tmp_path):
     with servers(tmp_path) as (client_env, start):
+        api, ledger_url = client_env["PREFECT_API_URL"], client_env["ATLAS_LEDGER_URL"]
         run([PREFECT, "work-pool", "create", "atlas-test", "--type", "process"], client_env)
-        deploy = [PREFECT, "--no-prompt", "deploy", "--prefect-file", "deploy/prefect.yaml", "--name", "candidate"]
-        run([*deploy, "--pool", "atlas-test"], client_env)
+        deploy = [PREFECT, "--no-prompt", "deploy", "--prefect-file", "deploy/prefect.yaml"]
+        for name in ("update", "candidate"):  # one at a time: with several names, prefect deploy ignores --pool
+            run([*deploy, "--name", name, "--pool", "atlas-test"], client_env)
         worker = [PREFECT, "worker", "start", "--pool", "atlas-test", "--type", "process", "--limit", "1"]
-        workers = [start([*worker, "--name", f"w{i}"], client_env, f"worker{i}") for i in (0, 1)]
+        workers = [start([*worker, "--name", f"w{i}"], client_env, f"worker{i}") for i in (0, 1, 2)]
 
-        # 1. Two candidates (ATLAS, Weight-LoRA) at once on two workers; the same cycle in-process.
+        # 1. The `update` deployment, run by one worker, fans its two candidates (ATLAS, Weight-LoRA)
+        #    out to the two others at once; the same cycle in-process gives the same decisions.
         cfg = tmp_path / "cfg"
         cfg.mkdir()
         policy = write_yaml(cfg / "pass.yaml", PASSING_POLICY)
         pooled = write_yaml(cfg / "pooled.yaml", TINY_CONFIG | {"execution": WORK_POOL})
-        fanned = _result(_start_cycle(pooled, policy, client_env))
+        trigger = (
+            "import json, sys; from prefect.deployments import run_deployment; "
+            "r = run_deployment('update/update', parameters=json.loads(sys.argv[1]), timeout=0); print(r.id)"
+        )
+        params = json.dumps({"config": pooled, "policy": policy})
+        cycle_run = run([sys.executable, "-c", trigger, params], client_env).strip().splitlines()[-1]
         here = tmp_path / "in-process"
         embedded = {k: v for k, v in client_env.items() if not k.startswith(("PREFECT_API", "ATLAS_"))}
         embedded |= {"ATLAS_STATE_DIR": str(here), "ATLAS_DATA_DIR": client_env["ATLAS_DATA_DIR"]}
         embedded |= {"PREFECT_HOME": str(here / "prefect")}  # local mode: a temporary server of its own
         local = _result(_start_cycle(write_yaml(cfg / "local.yaml", TINY_CONFIG), policy, embedded))
+        state = _final_state(api, cycle_run, 600)
+        assert state["type"] == "COMPLETED", f"{state}\n" + "".join(
+            (tmp_path / f"worker{i}.log").read_text()[-3000:] for i in (0, 1, 2)
+        )
 
-        for key in ("outcome", "selected", "candidates", "failed", "champion"):
-            assert fanned[key] == local[key], key
-        assert len(fanned["candidates"]) == 4  # 2 methods x 2 epochs
-        pooled_decisions = _decisions(client_env["ATLAS_LEDGER_URL"], fanned["model"])
+        pooled_decisions = _decisions(ledger_url, local["model"])
         local_decisions = _decisions(f"sqlite:///{here}/ledger.db", local["model"])
-        assert pooled_decisions.keys() == local_decisions.keys()
+        assert pooled_decisions.keys() == local_decisions.keys() and len(pooled_decisions) == 4  # 2 methods x 2 epochs
         for name, checks in pooled_decisions.items():
             assert [c[:2] for c in checks] == [c[:2] for c in local_decisions[name]], name
             for (check, _, a), (_, _, b) in zip(checks, local_decisions[name]):
                 assert a == pytest.approx(b, rel=1e-4, abs=1e-6), (name, check)
+        assert {n: all(c[1] for c in checks) for n, checks in pooled_decisions.items()} == local["candidates"]
+        champion = _champion(ledger_url, local["model"])
+        assert local["outcome"] == "promoted" and champion.name == local["champion"] == local["selected"]
+        from mlflow import MlflowClient  # the worker published to the MLflow server: its alias moved too
 
-        first = _candidate_runs(client_env["PREFECT_API_URL"], "tiny-code-")
+        remote = MlflowClient(tracking_uri=client_env["ATLAS_MLFLOW_TRACKING_URI"])
+        assert remote.get_registered_model(local["model"]).aliases["champion"] == champion.mlflow_version
+
+        first = _candidate_runs(api, "tiny-code-")
         assert [r.state.type.value for r in first] == ["COMPLETED", "COMPLETED"]
         assert max(r.start_time for r in first) < min(r.end_time for r in first), "candidates ran one after another"
 
@@ -140,7 +178,6 @@ def test_candidates_fan_out_over_two_workers_and_a_killed_one_fails_then_resumes
         }
         slow_config = write_yaml(cfg / "slow.yaml", slow)
         cycle = _start_cycle(slow_config, policy, client_env)
-        ledger_url = client_env["ATLAS_LEDGER_URL"]
         deadline, victim = time.monotonic() + 600, None
         while victim is None and time.monotonic() < deadline:
             assert cycle.poll() is None, cycle.communicate()[0][-5000:]
@@ -148,7 +185,7 @@ def test_candidates_fan_out_over_two_workers_and_a_killed_one_fails_then_resumes
             victim = next((m for m, r in runs.items() if r["status"] == "running" and r["steps"]), None)
             time.sleep(0.5)
         assert victim is not None, "no candidate reached its first checkpoint"
-        flow_run = _candidate_runs(client_env["PREFECT_API_URL"], f"slow-{victim}-s0")[0]
+        flow_run = _candidate_runs(api, f"slow-{victim}-s0")[0]
         pid = int(str(flow_run.infrastructure_pid).rsplit(":", 1)[-1])  # "pid", or "host:pid"
         killed = _kill_worker_of(pid, workers)
         before = _training_runs(ledger_url, "slow")[victim]
@@ -163,12 +200,12 @@ def test_candidates_fan_out_over_two_workers_and_a_killed_one_fails_then_resumes
 
         # The rerun, on the worker left plus a new one: the killed training resumes, the other is reused.
         workers.remove(killed)
-        workers.append(start([*worker, "--name", "w2"], client_env, "worker2"))
+        workers.append(start([*worker, "--name", "w3"], client_env, "worker3"))
         rerun = _result(_start_cycle(slow_config, policy, client_env))
         assert rerun["outcome"] == "promoted" and not rerun["failed"]
         after = _training_runs(ledger_url, "slow")
         assert after[other] == runs[other]  # not retrained: same row, same checkpoints, same finish time
         assert after[victim]["id"] == before["id"] and after[victim]["status"] == "finished"
         assert after[victim]["steps"][: len(before["steps"])] == before["steps"]  # nothing recorded twice
-        logs = "".join((tmp_path / f"worker{i}.log").read_text() for i in (0, 1, 2))
+        logs = "".join((tmp_path / f"worker{i}.log").read_text() for i in (0, 1, 2, 3))
         assert "resumed from" in logs, logs[-3000:]  # the killed training went on from its checkpoint
