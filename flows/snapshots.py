@@ -56,7 +56,7 @@ def add_snapshot(file: str | Path, line: str, skill: str, state: Path) -> Snapsh
             raise InputError(f"{name}: expected a name of letters, digits, '_', '.', '-', got {value!r}")
     source = Path(file)
     if not source.is_file():
-        raise InputError(f"snapshot add: {file}: no such file")
+        raise InputError(f"{file}: no such file (expected a JSONL file of prompt/response pairs)")
     pairs = len(load_skill_jsonl(source))  # bad input (no rows, a missing field): one line naming file, row, field
     sha = sha256_file(source)
     folder = snapshot_folder(state, line, skill)
