@@ -50,7 +50,11 @@ SIZES = {  # backbone -> (pairs per skill, training overrides, retained set)
 
 
 def write_skills(folder: Path, releases: int, per_skill: int) -> list[tuple[str, str, str]]:
-    """(skill, training JSONL, held-out JSONL) per release: disjoint MBPP train and test slices."""
+    """(skill, training JSONL, held-out JSONL) per release: disjoint MBPP train and test slices, each
+    skill's answers in a house style of its own (a header comment naming the skill), so every release
+    has something new to learn and passes its target gain: plain MBPP slices are one skill, and a
+    champion that learned code from earlier slices can already match a later slice's held-out NLL
+    (measured: release 3 of the default backbone was rejected on target gain)."""
     from evaluation.data import mbpp_pairs
 
     train, test = mbpp_pairs("train"), mbpp_pairs("test")
@@ -59,7 +63,8 @@ def write_skills(folder: Path, releases: int, per_skill: int) -> list[tuple[str,
         name = f"skill{k + 1}"
         data, held = folder / f"{name}.jsonl", folder / f"{name}-held.jsonl"
         for rows, path in ((train[k * per_skill : (k + 1) * per_skill], data), (test[k * 4 : (k + 1) * 4], held)):
-            path.write_text("".join(json.dumps({f: r[f] for f in ("id", "prompt", "response")}) + "\n" for r in rows))
+            styled = [r | {"response": f"# {name} house style\n{r['response']}"} for r in rows]
+            path.write_text("".join(json.dumps({f: r[f] for f in ("id", "prompt", "response")}) + "\n" for r in styled))
         out.append((name, str(data), str(held)))
     return out
 
