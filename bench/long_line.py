@@ -156,6 +156,26 @@ def measure_release(model_name: str, new_tokens: int) -> dict:
     return {"load_s": load_s, "bytes": size, "decoding": rates, "history": metrics}
 
 
+def why_rejected(result) -> str:
+    """Each candidate's failed gate checks (name, measured, threshold, detail), or why it failed."""
+    from flows.platform import open_platform
+    from registry import get_model, latest_gate_decision, resolve_version
+
+    if result.failed:
+        return str(result.failed)
+    p = open_platform()
+    try:
+        model = get_model(p.ledger, result.model)
+        out = []
+        for name in result.candidates:
+            decision = latest_gate_decision(p.ledger, resolve_version(p.ledger, model.id, name).id)
+            failed = [f"{c.name} {c.measured} vs {c.threshold} ({c.detail})" for c in decision.checks if not c.passed]
+            out.append(f"{name}: {'; '.join(failed)}")
+        return " | ".join(out)
+    finally:
+        p.close()
+
+
 def growth(series: list[float]) -> float:
     """Least-squares slope of the series against the release index, as a share of its mean: the
     cost each release already on the line adds. Release 1 is left out (it pays the one-time costs:
@@ -193,7 +213,7 @@ def main() -> None:
             result = update(config, policy)
             cycle_s = time.perf_counter() - start
             if result.outcome != "promoted":
-                raise SystemExit(f"release {t}: {result.outcome} ({result.failed or result.candidates})")
+                raise SystemExit(f"release {t}: {result.outcome}: {why_rejected(result)}")
             rows.append(
                 {"t": t, "cycle_s": cycle_s, "phases": result.seconds} | measure_release(result.model, args.new_tokens)
             )
