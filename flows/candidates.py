@@ -82,7 +82,11 @@ def run_candidates(ctx: CycleContext, lap: Callable[[str], None] = lambda phase:
         for method, seed in plans:
             failures[(method, seed)] = _in_process(ctx, method, seed)
             lap(f"candidate {method} s{seed}")  # the first also answers the champion's and the base's questions
-    return [_joined(ctx, m, s, failures[(m, s)]) for m, s in plans]
+    from .skills import skill_set
+    from .training import planned_runs
+
+    keys = {(m, s): key for m, s, _, _, key in planned_runs(ctx, skill_set(ctx.skill))}  # the data hashed once
+    return [_joined(ctx, m, s, keys[(m, s)], failures[(m, s)]) for m, s in plans]
 
 
 def _in_process(ctx: CycleContext, method: str, seed: int) -> Optional[str]:
@@ -97,17 +101,15 @@ def _in_process(ctx: CycleContext, method: str, seed: int) -> Optional[str]:
     return f"{state.name}: {state.message}"
 
 
-def _joined(ctx: CycleContext, method: str, seed: int, failure: Optional[str]) -> CandidateRun:
-    """The candidate's active versions and their recorded evaluations, read from the ledger; one
+def _joined(ctx: CycleContext, method: str, seed: int, key: str, failure: Optional[str]) -> CandidateRun:
+    """The candidate's (run `key`) active versions and their recorded evaluations, read from the ledger; one
     without a recorded evaluation is a failure (nothing unrecorded reaches the gate)."""
     from registry import find_training_run, get_version
 
-    from .skills import skill_set
-    from .training import candidate_versions, end_training_run, planned_run
+    from .training import candidate_versions, end_training_run
 
     with scope(ctx.platform) as res:
         db = res.ledger
-        key = planned_run(ctx, skill_set(ctx.skill), method, seed)[2]
         found = find_training_run(db, ctx.backbone.ledger_id, ctx.skill.name, method, seed, key, model_id=ctx.model.id)
         if failure is not None:
             if found is not None and found[1] == "running":  # cut short where nobody could record it (a killed worker)
