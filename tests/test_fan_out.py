@@ -162,7 +162,9 @@ def test_candidates_fan_out_over_two_workers_and_a_killed_one_fails_then_resumes
         assert local["outcome"] == "promoted" and champion.name == local["champion"] == local["selected"]
         from mlflow import MlflowClient  # the worker published to the MLflow server: its alias moved too
 
-        remote = MlflowClient(tracking_uri=client_env["ATLAS_MLFLOW_TRACKING_URI"])
+        # registry_uri too: an earlier test in this process may have set MLFLOW_REGISTRY_URI
+        server = client_env["ATLAS_MLFLOW_TRACKING_URI"]
+        remote = MlflowClient(tracking_uri=server, registry_uri=server)
         assert remote.get_registered_model(local["model"]).aliases["champion"] == champion.mlflow_version
 
         first = _candidate_runs(api, "tiny-code-")
