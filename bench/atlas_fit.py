@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from atlas_core.atlas import AtlasConfig, fit_atlas
-from bench.common import machine
+from bench.common import machine, reading
 
 
 def clustered(n: int, d: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -70,6 +70,13 @@ def main() -> None:
     print(
         f"  speed-up {t_base / t_ours:.1f}x   inertia ours/sklearn {inertia / base_inertia:.4f} "
         f"({(inertia / base_inertia - 1) * 100:+.2f}%)"
+    )
+    speed, off = t_base / t_ours, abs(inertia / base_inertia - 1)
+    reading(
+        f"atlas fit N={args.n}, d={args.d}, K={args.k}, m={args.m}",
+        f"{t_ours:.2f} s vs {t_base:.2f} s for scikit-learn: {speed:.1f}x, inertia within {off:.2%}",
+        "< 3 s, >= 8x, inertia within 3%",
+        "yes" if t_ours < 3 and speed >= 8 and off <= 0.03 else "**no**",
     )
 
 

@@ -55,3 +55,11 @@ def machine() -> str:
         f"{cpu}, {os.cpu_count()} cores, native bf16 {'yes' if native_bf16() else 'no'}, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), Python {platform.python_version()}"
     )
+
+
+def reading(benchmark: str, measured: str, target: str, met: str) -> None:
+    """One row of docs/BENCHMARKS.md's Reading table: bench/run_all.py collects these lines from
+    every section's output (with the section's date, commit and machine), so no figure there is typed."""
+    import json
+
+    print("reading: " + json.dumps({"benchmark": benchmark, "measured": measured, "target": target, "met": met}))

@@ -20,7 +20,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from atlas_core.backbone import load_backbone, resolve_dtype
-from bench.common import machine, timeit
+from bench.common import machine, reading, timeit
 from evaluation.contexts import retained_contexts
 
 
@@ -59,6 +59,13 @@ def main() -> None:
     print(f"{'':58s} {'fp32 s':>9s} {'bf16 s':>9s}  bf16 / fp32")
     for name, fp32, bf16 in rows:
         print(f"{name:58s} {fp32:9.4f} {bf16:9.4f}  {bf16 / fp32:6.2f}x")
+    forward, auto = rows[-1][2] / rows[-1][1], str(resolve_dtype("auto")).removeprefix("torch.")
+    reading(
+        "bf16 vs fp32, the default backbone's full forward",
+        f"bf16 takes {forward:.2f}x the time of fp32; dtype auto -> {auto}",
+        "auto picks the faster",
+        "yes" if (forward < 1) == (resolve_dtype("auto") == torch.bfloat16) else "**no**",
+    )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from atlas_core.backbone import head_logits
-from bench.common import machine
+from bench.common import machine, reading
 from evaluation.answers import ANSWER_GIVEN, extract_gsm8k_answer
 from evaluation.choice import ChoiceSet, label_token_ids
 from evaluation.data import load_gsm8k, load_mbpp_plus
@@ -228,6 +228,7 @@ def main() -> None:
             print(f"| CSQA choice 128 | {p:.1f} | {c:.1f} | {p / c:.2f}x |")
             total_old, total_new = total_old + p, total_new + c
         print(f"| **the whole evaluation** | {total_old:.1f} | {total_new:.1f} | **{total_old / total_new:.2f}x** |\n")
+        summary = [f"{total_old:.1f} -> {total_new:.1f} s ({total_old / total_new:.2f}x)"]
         for key in old:
             n = sum(a != b for a, b in zip(old[key], new[key]))
             counts = f" (true: previous {sum(old[key])}, current {sum(new[key])})" if key.endswith("pass/fail") else ""
@@ -237,6 +238,13 @@ def main() -> None:
             moved = int((choice_old.argmax(-1) != choice_new.logprobs.argmax(-1)).sum())
             gap = float((choice_old - choice_new.logprobs).abs().max())
             print(f"- CSQA choices: {moved} of {len(prompts)} differ; largest label log-prob difference {gap:.1e}")
+            summary.append(f"KL within {kl_diff:.1e} relative, {moved} choices differ")
+            reading(
+                f"one candidate's whole evaluation, the main job's {case}",
+                "; ".join(summary),
+                ">= 2x, same numbers (bf16 answers move with the batch: see the section)",
+                "yes" if total_old / total_new >= 2 and moved == 0 and kl_diff < 1e-4 else "**no**",
+            )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from atlas_core.backbone import hidden_at_layer, load_backbone
-from bench.common import machine, timeit
+from bench.common import machine, reading, timeit
 from evaluation.contexts import retained_contexts
 
 
@@ -45,6 +45,12 @@ def main() -> None:
     print(f"  stop after layer {args.layer}:            {t_stop:.3f} s")
     print(
         f"  ratio stop/full {t_stop / t_full:.3f} (layers run: (l+1)/L = {ideal:.3f}); speed-up {t_full / t_stop:.2f}x"
+    )
+    reading(
+        f"extraction stopping after layer {args.layer} of {bb.num_layers}",
+        f"{t_stop / t_full:.3f} of a full forward ({t_full / t_stop:.2f}x faster)",
+        f"approaches (l+1)/L = {ideal:.3f}",
+        "yes" if t_stop / t_full <= ideal * 1.1 else "**no**",
     )
 
 

@@ -20,7 +20,7 @@ from atlas_core.atlas import AtlasConfig, fit_atlas
 from atlas_core.backbone import load_backbone
 from atlas_core.extract import sample_activations
 from atlas_core.residual import ResidualConfig, attach, build_residual
-from bench.common import machine
+from bench.common import machine, reading
 from evaluation.contexts import retained_contexts
 from evaluation.kl import RetainedKL, kl_per_position
 
@@ -78,6 +78,13 @@ def main() -> None:
         f"speed-up {t_naive / t_cached:.2f}x"
     )
     print(f"  KL agreement: cached {cached} vs naive {naive}")
+    worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(cached, naive))
+    reading(
+        "retained KL with caches vs two full forwards",
+        f"{t_naive / t_cached:.2f}x per checkpoint, KL within {worst:.1e} relative",
+        ">= 1.5x",
+        "yes" if t_naive / t_cached >= 1.5 else "**no**",
+    )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from atlas_core.backbone import load_backbone
 from atlas_core.residual import ResidualConfig, build_residual
-from bench.common import machine, peak_rss_added
+from bench.common import machine, peak_rss_added, reading
 from bench.eval_candidate import previous_kl
 from evaluation.domains import domain_contexts
 from evaluation.kl import RetainedKL
@@ -63,6 +63,12 @@ def main() -> None:
     print(
         f"  ratio previous / current: {prev / max(cur, 1):.1f}x; KL relative difference "
         f"{abs(measured['current'][0] - measured['previous'][0]) / measured['previous'][0]:.1e}"
+    )
+    reading(
+        f"peak memory of one checkpoint's retained KL ({args.contexts} GSM8K contexts, batch {args.batch})",
+        f"{cur:,.0f} MiB added, previous {prev:,.0f} MiB ({prev / max(cur, 1):.1f}x less)",
+        "no (B, T, V) logits held",
+        "yes" if cur < logits_mib else "**no**",
     )
 
 

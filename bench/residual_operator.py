@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from atlas_core.atlas import Atlas
 from atlas_core.residual import AtlasResidual, ResidualConfig
-from bench.common import machine, timeit
+from bench.common import machine, reading, timeit
 
 
 def random_atlas(d: int, k: int, m: int) -> Atlas:
@@ -48,6 +48,7 @@ def main() -> None:
         f"median of {args.repeat}"
     )
     print(f"{'dtype':>9} {'residual us/tok':>16} {'d x 4d matmul us/tok':>21} {'ratio':>7}")
+    ratios, limits = {}, {torch.float32: 0.25, torch.bfloat16: 0.50}
     with torch.no_grad():
         for dtype in (torch.float32, torch.bfloat16):
             x, w = h.to(dtype), up.to(dtype)
@@ -55,6 +56,13 @@ def main() -> None:
             t_mm = timeit(lambda: x @ w, repeat=args.repeat)
             us = 1e6 / args.tokens
             print(f"{str(dtype).split('.')[-1]:>9} {t_res * us:16.2f} {t_mm * us:21.2f} {t_res / t_mm:7.1%}")
+            ratios[dtype] = (t_res * us, t_res / t_mm)
+    reading(
+        f"residual operator, {args.tokens:,} tokens, d={args.d}",
+        ", ".join(f"{us:.1f} us/token {str(dt)[6:]} ({r:.1%} of a d x 4d matmul)" for dt, (us, r) in ratios.items()),
+        "<= 25% fp32, <= 50% bf16",
+        "yes" if all(r <= limits[dt] for dt, (_, r) in ratios.items()) else "**no**",
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.common import machine  # noqa: E402
+from bench.common import machine, reading  # noqa: E402
 
 SETUP = """
 from flows.platform import configure_environment; configure_environment()
@@ -71,6 +71,12 @@ def main() -> None:
         print(f"  {name:45s} {statistics.median(times[name]):5.1f} s  ({runs[name]} runs read)")
     current, previous = (statistics.median(times[n]) for n in READERS)
     print(f"  ratio previous / current: {previous / current:.1f}x")
+    reading(
+        "`atlas status` in local mode, fresh process",
+        f"{current:.1f} s, previous (client + temporary server) {previous:.1f} s: {previous / current:.1f}x",
+        "no temporary server",
+        "yes" if current < previous else "**no**",
+    )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from atlas_core.train import TrainConfig, build_caches, epoch_batches, prepare_d
 from atlas_core.train.adapters import ResidualAdapter
 from atlas_core.train.data import collate
 from atlas_core.train.objectives import selected_logits
-from bench.common import machine
+from bench.common import machine, reading
 from bench.train_common import atlas_for, mbpp_pairs
 
 
@@ -232,6 +232,14 @@ def main() -> None:
                 f"| {lay} | {(lay + 1) / n_layers:.2f} | {c:.3f} | {u:.3f} | **{u / c:.2f}x** | {u / (u - low):.2f}x "
                 f"| {flops:.2f}x | {free_head_ceiling(lay, n_layers):.2f}x |"
             )
+    step, ceiling = total["uncached"] / total["cached"], free_head_ceiling(layer, n_layers)
+    by_layer = "".join(f"; {u / c:.2f}x at l = {lay}" for lay, c, u, _, _ in curve or [])
+    reading(
+        f"training with the prefix cache, layer {layer} of {n_layers}",
+        f"{step:.2f}x per step, {e2e[False].seconds / e2e[True].seconds:.2f}x per epoch{by_layer}",
+        ">= 1.7x at l = L/2",
+        "yes" if step >= 1.7 else f"**no** at L/2: no exact method can (matmul FLOP ceiling {ceiling:.2f}x, Notes)",
+    )
 
 
 if __name__ == "__main__":

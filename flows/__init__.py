@@ -11,6 +11,7 @@
     load_release      a version as a ready transformers model (flows/serving.py; MLflow pyfunc: flows/pyfunc.py)
     submit_candidate  an adapter trained elsewhere as a candidate version (flows/submit.py)
     gate_candidate    the gate for one existing candidate, e.g. a submitted one (flows/gate_check.py)
+    squash_version    a chain of LoRA-family deltas as one candidate delta on the base (flows/squash.py)
     add_snapshot      a skill's new data, written complete, announced as an event (flows/snapshots.py, flows/events.py)
 
 Configs: flows/config.py (UpdateConfig, configs/update/), flows/policy.py (ReleasePolicy,
@@ -24,11 +25,12 @@ from types import MappingProxyType
 
 # The public functions, imported on first use: they bring torch, transformers and Prefect, which
 # the operational commands (`atlas rollback`, `status`, ...) must not wait for.
-_LAZY = MappingProxyType({"load_release": ".serving", "submit_candidate": ".submit"})
+_LAZY = MappingProxyType({"load_release": ".serving", "submit_candidate": ".submit", "squash_version": ".squash"})
 
 
 def __getattr__(name: str):
-    """`flows.load_release` (use a release) and `flows.submit_candidate` (an adapter trained elsewhere joins a line)."""
+    """`flows.load_release` (use a release), `flows.submit_candidate` (an adapter trained elsewhere joins a
+    line) and `flows.squash_version` (a LoRA-only chain as one candidate delta)."""
     if name in _LAZY:
         import importlib
 

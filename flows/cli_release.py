@@ -1,4 +1,4 @@
-"""The cycle commands of `atlas`: update, serve, submit, gate check (and, from flows/cli_ops.py, the
+"""The cycle commands of `atlas`: update, serve, submit, squash, gate check (and, from flows/cli_ops.py, the
 operational commands status, compare, history, gate --explain, rollback, renominate; from
 flows/cli_use.py, generate and export)."""
 
@@ -90,6 +90,26 @@ def cmd_submit(args: argparse.Namespace) -> int:
         payload = {"version": s.version, "version_id": s.version_id, "parent": s.parent, "kind": s.kind}
         if emit(CANDIDATE_SUBMITTED, f"atlas.candidate.{s.model}", labels, payload):
             print(f"event:  {CANDIDATE_SUBMITTED} sent (a deployment trigger on it gates the candidate)")
+    return 0
+
+
+def cmd_squash(args: argparse.Namespace) -> int:
+    from .squash import squash_version
+
+    domains = [d.strip() for d in args.domains.split(",") if d.strip()]
+    s = squash_version(args.line, args.version, args.rank, args.name, domains, args.contexts)
+    if args.json:
+        print(json.dumps(s.__dict__, indent=2))
+        return 0
+    said = "squashed" if s.new else "already squashed (nothing recorded again)"
+    how = "exact" if s.rank is None else f"rank {s.rank} per module"
+    ranks = sorted({(m["rank_in"], m["rank_out"]) for m in s.modules.values()})
+    print(
+        f"{s.model}: {said}: {s.source}'s chain of {s.deltas} deltas -> {s.version} (#{s.version_id}), one "
+        f"LoRA on {len(s.modules)} modules on the base ({how}; rank {', '.join(f'{a}->{b}' for a, b in ranks)})"
+    )
+    print("KL(chain || squash): " + ", ".join(f"{d} {v:.3g}" for d, v in s.kl_vs_source.items()) + " nats/token")
+    print(f"next: atlas gate check {s.version} --config CONFIG --policy configs/policy/squash.yaml [--promote]")
     return 0
 
 
@@ -234,6 +254,25 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="the version's name (default: <backbone>-<skill>-<kind>-s0-e0)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser(
+        "squash",
+        parents=[common],
+        help="a chain of LoRA-family deltas as one delta (exact, or truncated with --rank): a candidate "
+        "version on the base, gated like any other",
+    )
+    p.add_argument("--line", required=True, help="the line (or registered model name)")
+    p.add_argument("--version", default="champion", help="whose chain: champion (default), a version name or #<id>")
+    p.add_argument("--rank", type=int, default=None, help="keep this rank per module (default: exact, ranks summed)")
+    p.add_argument("--name", default=None, help="the new version's name (default: <backbone>-<skill>-peft-lora-s0-e0)")
+    p.add_argument(
+        "--domains",
+        default="gsm8k,csqa",
+        help="retained domains the KL vs the chain is measured on (default: %(default)s)",
+    )
+    p.add_argument("--contexts", type=int, default=32, help="contexts per domain for that KL (default: %(default)s)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_squash)
 
     p = sub.add_parser("snapshot", help="a skill's training data: add a snapshot (announced as a Prefect event)")
     snapshot_sub = p.add_subparsers(dest="snapshot_command", metavar="add", required=True)

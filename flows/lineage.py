@@ -39,12 +39,22 @@ def chain_specs(ledger, champion: Applied) -> list[tuple[object, dict]]:
     return [(v, training_run_config(ledger, v.training_run_id)) for v in champion.deltas]
 
 
+def taught_skills(ledger, applied: Applied) -> list[dict]:
+    """{skill, skill_files} of every release in a version's chain, oldest first; a squash
+    (flows/squash.py) stands for the releases it replaced."""
+    runs = []
+    for _, config in chain_specs(ledger, applied):
+        for run in (*config.get("squashed", {}).get("skills", ()), config):
+            if "skill" in run:
+                runs.append({k: run[k] for k in ("skill", "skill_files") if k in run})
+    return runs
+
+
 def chain_skill_specs(ledger, champion: Applied, store=None, cache: Optional[Path] = None) -> list[dict]:
-    """Stored skill specs of the chain, oldest first (runs recorded before lines kept none). With
-    the artifact `store`, each reads the very files its release trained on (flows.skills.pinned_spec)."""
-    specs = [
-        (config["skill"], config.get("skill_files")) for _, config in chain_specs(ledger, champion) if "skill" in config
-    ]
+    """Stored skill specs of the chain, oldest first (runs recorded before lines kept none; a squash
+    keeps those of the chain it replaced, flows/squash.py). With the artifact `store`, each reads
+    the very files its release trained on (flows.skills.pinned_spec)."""
+    specs = [(run["skill"], run.get("skill_files")) for run in taught_skills(ledger, champion)]
     if store is None:
         return [spec for spec, _ in specs]
     return [pinned_spec(spec, kept, store.fetch, cache) for spec, kept in specs]

@@ -172,7 +172,9 @@ class ReleasePolicy:
     candidates: Candidates = field("What the cycle trains (method x seed).", factory=Candidates)
     min_target_gain: float = field(
         "Gain over the champion a candidate must reach on the taught skill, in its scorer's "
-        "units: solved problems (0: no regression), or nats/token of reference-nll.",
+        "units: solved problems (0: no regression), or nats/token of reference-nll; negative: a "
+        "tolerance, the candidate may score up to that much below the champion (a squash, which "
+        "teaches nothing new and moves scores by rounding: configs/policy/squash.yaml).",
         1,
     )
     max_kl_vs_champion: dict[str, float] = field(
@@ -213,8 +215,6 @@ class ReleasePolicy:
     def __post_init__(self) -> None:
         if not self.name.strip():
             raise ConfigError(f"name: expected a non-empty policy name, got {self.name!r}")
-        if self.min_target_gain < 0:  # finite: typed_config refuses nan and inf
-            raise ConfigError(f"min_target_gain: expected a number >= 0, got {self.min_target_gain!r}")
         for name in ("max_kl_vs_champion", "max_kl_vs_base"):
             for domain, value in getattr(self, name).items():
                 if not (math.isfinite(value) and value >= 0):

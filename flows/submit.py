@@ -81,12 +81,34 @@ def submit_candidate(
     from .platform import PlatformRef
     from .resources import scope
 
-    with scope(PlatformRef.from_environment()) as res, tempfile.TemporaryDirectory(prefix="atlas-submit-") as tmp:
+    with scope(PlatformRef.from_environment()) as res:
         model = _line(res.ledger, line, backbone)
         bb = res.load_backbone(model.backbone if model else backbone or DEFAULT_BACKBONE, "float32")
+        return record_submitted(res, bb, model, source, line, parent, skill, name)
+
+
+def record_submitted(
+    res,
+    bb,
+    model,
+    source: str,
+    line: str,
+    parent: str = "champion",
+    skill: Optional[str] = None,
+    name: Optional[str] = None,
+    origin: Optional[dict] = None,
+    run_config: Optional[dict] = None,
+) -> Submitted:
+    """submit_candidate inside an open scope, with the line's backbone `bb` loaded (`model`: the
+    line, None for a new one). `origin` replaces what the run records about where the delta came
+    from; `run_config` adds to the run's config (both: a squash, flows/squash.py)."""
+    from dataclasses import replace
+
+    with tempfile.TemporaryDirectory(prefix="atlas-submit-") as tmp:
         weights = _check_backbone(model, bb)
         base = _parent(res, model, parent, name)
         found = _delta_file(source, bb, Path(tmp), base, res.platform)
+        found = replace(found, origin=found.origin | (origin or {}))
         atlas = _atlas_of(res, found)
         delta = _verified_on_chain(found.path, base, bb.model, atlas)
         return _record(
@@ -100,6 +122,7 @@ def submit_candidate(
             delta,
             skill or (model.line if model else line),
             name,
+            run_config or {},
         )
 
 
@@ -304,7 +327,17 @@ def _verified_on_chain(path: Path, parent: _Parent, model, atlas):
 
 
 def _record(
-    p, model, bb, weights: str, parent: _Parent, found: _Found, atlas, delta, skill: str, name: Optional[str]
+    p,
+    model,
+    bb,
+    weights: str,
+    parent: _Parent,
+    found: _Found,
+    atlas,
+    delta,
+    skill: str,
+    name: Optional[str],
+    run_config: dict,
 ) -> Submitted:
     """Store the delta (and an atlas the ledger does not hold yet), record it as a finished run with
     one checkpoint, register the version (`model`: the line, or the name of a line to start on `bb`)."""
@@ -334,7 +367,7 @@ def _record(
         v = run_versions(ledger, run[0])[0]
         return Submitted(model.name, v.name, v.id, parent_v.name, kind, origin["sha256"], new=False)
     adapter, manifest = p.store.put_file(path), p.store.put_file(path.with_suffix(".json"))
-    config = {"run_key": key, "submitted": origin | {"kind": kind, "layer": getattr(delta, "layer", None)}}
+    config = {"run_key": key, "submitted": origin | {"kind": kind, "layer": getattr(delta, "layer", None)}} | run_config
     atlas_id = _recorded_atlas(p, backbone_id, found, atlas, delta) if atlas is not None else None
     run_id = (
         run[0]

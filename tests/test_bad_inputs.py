@@ -91,6 +91,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("run", "lora.clora.lam", "zero"): "a weight >= 0 (0: plain LoRA)",
     ("run", "lora.o_lora.lambda1", "zero"): "a weight >= 0 (0: plain LoRA)",
     ("policy", "min_target_gain", "zero"): "0: no regression on the taught skill",
+    ("policy", "min_target_gain", "negative"): "a tolerance: the target may drop that much (a squash)",
     ("policy", "max_kl_vs_champion.*", "zero"): "a KL limit >= 0 (0: the outputs must not move)",
     ("policy", "max_kl_vs_base.*", "zero"): "a KL limit >= 0 (0: the outputs must not move)",
     ("policy", "max_kl_tail_vs_champion.*.*", "zero"): "a KL limit >= 0",

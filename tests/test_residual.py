@@ -178,3 +178,35 @@ def test_wrong_atlas_variant_and_shape_errors(tiny):
 def test_middle_layer_default(tiny):
     r = build_residual(ResidualConfig(variant="plain"), tiny)
     assert r.config.layer == 2
+
+
+def test_a_few_tokens_run_on_one_thread_and_the_thread_count_comes_back(tiny, monkeypatch):
+    """Decoding (a token a row) runs the operator on one thread: each small op split over OpenMP
+    threads that wait passively waits longer for a thread to wake than the op takes. The result is
+    the same, and the caller's thread count is restored, also when the operator raises."""
+    import atlas_core.residual.layer as layer
+
+    r, _ = residual_for(tiny, "atlas")
+    torch.nn.init.normal_(r.B, std=0.1)
+    seen, route = [], layer.route_with_offset
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return route(*args, **kwargs)
+
+    monkeypatch.setattr(layer, "route_with_offset", spy)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        h = torch.randn(2, layer.FEW_TOKENS + 1, r.dim)  # (B, T, d)
+        with torch.no_grad():
+            many = r(h)  # 2 * 65 tokens: every thread
+            few = r(h[:, :1])  # 2 tokens: one thread
+        assert seen == [2, 1] and torch.get_num_threads() == 2
+        torch.testing.assert_close(few, many[:, :1], rtol=0, atol=1e-6)
+        monkeypatch.setattr(layer, "route_with_offset", lambda *a, **k: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            r(h[:, :1])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

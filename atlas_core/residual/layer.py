@@ -20,6 +20,8 @@ passes over (N, d) are reading h and writing Delta.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -128,10 +130,15 @@ class AtlasResidual(nn.Module):
         if h.shape[-1] != self.dim:
             raise ValueError(f"h: expected last dimension d={self.dim}, got shape {tuple(h.shape)}")
         x = h.reshape(-1, self.dim)  # (N, d)
+        with _one_thread_if_few(x):
+            return self._delta(x).view_as(h)
+
+    def _delta(self, x: torch.Tensor) -> torch.Tensor:
+        """Delta(x) (N, d) for x (N, d)."""
         ops = self._operands(x.dtype)
         variant = self.config.variant
         if variant == "plain":
-            return ((x @ ops["A"].T) @ ops["B"].T).view_as(h)
+            return (x @ ops["A"].T) @ ops["B"].T
         w, e_sq = route_with_offset(x, self.centers, self.tau, self.config.top_n, self.center_gram)  # fp32
         wd = w.to(x.dtype)
         if variant in CENTERED:
@@ -139,15 +146,15 @@ class AtlasResidual(nn.Module):
             if variant == "centered-distance":
                 norm = e_sq.sqrt()
                 a = a * (norm / (norm + self.s_d)).to(x.dtype)[:, None]
-            return (a @ ops["B"].T).view_as(h)
+            return a @ ops["B"].T
         x_a, wm, e_u, c = self._filtered(x, w, ops)
         a = x_a - wd @ ops["centers_A"] - c @ ops["AU"].T  # (N, r) = A z
         if variant == "input-filter":
-            return (a @ ops["B"].T).view_as(h)
+            return a @ ops["B"].T
         c2 = wm * (a @ ops["BtU"])  # (N, Km): P(h) B a = B a - alpha U c2
         norm = self._z_norm(e_sq, e_u, c)
         rho = (norm / (norm + self.s)).to(x.dtype)[:, None]
-        return (torch.cat([rho * a, rho * c2], 1) @ ops["out"]).view_as(h)  # rho folded in before the GEMM
+        return torch.cat([rho * a, rho * c2], 1) @ ops["out"]  # rho folded in before the GEMM
 
     # ------------------------------------------------------------------ calibration
     @torch.no_grad()
@@ -164,6 +171,27 @@ class AtlasResidual(nn.Module):
         if self.config.variant == "centered-distance":
             target = float((z / (z + self.s)).mean())
             self.s_d.fill_(_solve_scale(e_sq.sqrt(), target))
+
+
+# Decoding runs the operator on one token a row. Its GEMVs then read a few hundred KB, and split
+# over OpenMP threads that wait passively (OMP_WAIT_POLICY=PASSIVE, set by every entry point) each
+# op waits for a sleeping thread to wake, which costs more than the op (SmolLM2's residual, one
+# token, bf16, 2 cores: 1.32 ms on two threads, 0.68 ms on one; bench/decoding.py). Training and
+# teacher-forced evaluation pass hundreds of tokens and keep every thread.
+FEW_TOKENS = 64
+
+
+@contextmanager
+def _one_thread_if_few(x: torch.Tensor) -> Iterator[None]:
+    threads = torch.get_num_threads()
+    if x.device.type != "cpu" or x.shape[0] > FEW_TOKENS or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _solve_scale(norms: torch.Tensor, target: float) -> float:
