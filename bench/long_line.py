@@ -24,6 +24,7 @@ the line adds a tenth of a typical release's cost.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -218,38 +219,50 @@ def main() -> None:
             f"{args.backbone}: {args.releases} releases on one line, one ATLAS delta each; decoding "
             f"{args.new_tokens} new tokens a row, best of 3, base and champion interleaved"
         )
+        # Every KL column is known before anything trains: the retained domains, then each skill.
+        columns = SIZES[args.backbone][2]["domains"] + [f"skill{k + 1}" for k in range(args.releases)]
+        print_header(columns)
         rows = []
         for t, config in enumerate(paths, start=1):
             start = time.perf_counter()
-            result = update(config, policy)
+            with contextlib.redirect_stdout(sys.stderr):  # the trainer's summary is not a table row
+                result = update(config, policy)
             cycle_s = time.perf_counter() - start
             if result.outcome != "promoted":
                 raise SystemExit(f"release {t}: {result.outcome}: {why_rejected(result)}")
             rows.append(
                 {"t": t, "cycle_s": cycle_s, "phases": result.seconds} | measure_release(result.model, args.new_tokens)
             )
-            print_row(rows[-1], header=t == 1)  # as it comes: a later failure keeps the rows before it
+            print_row(rows[-1], columns)  # as it comes: a later failure keeps the rows before it
     report(args, rows)
 
 
-def kl_keys(row: dict) -> list[str]:
-    return sorted(k for k in row["history"] if k.startswith("line_kl_vs_base_"))
+def print_header(columns: list[str]) -> None:
+    """The table's header: KL vs the base on each retained domain and on each skill's held-out set."""
+    head = f"{'t':>2} {'cycle s':>7} {'candidates s':>12} {'load s':>6} {'tok/s b1':>8} {'ovh b1':>7} "
+    head += f"{'tok/s b8':>8} {'ovh b8':>7} {'bytes':>10} {'OP':>6} {'BWT':>7}"
+    print(head + "".join(f" {'KL ' + c:>10}" for c in columns), flush=True)
 
 
-def print_row(r: dict, header: bool) -> None:
-    if header:
-        head = f"{'t':>2} {'cycle s':>7} {'candidates s':>12} {'load s':>6} {'tok/s b1':>8} {'ovh b1':>7} "
-        head += f"{'tok/s b8':>8} {'ovh b8':>7} {'bytes':>9} {'OP':>6} {'BWT':>7}"
-        print(head + "".join(f" {'KL ' + k.removeprefix('line_kl_vs_base_'):>10}" for k in kl_keys(r)))
+def print_row(r: dict, columns: list[str]) -> None:
+    """One release; a KL column the line does not measure yet (a later skill) prints as '-'."""
     d, h = r["decoding"], r["history"]
+    kl = [h.get(f"line_kl_vs_base_{c}") for c in columns]
     cand = sum(v for k, v in r["phases"].items() if k.startswith("candidate"))
     print(
         f"{r['t']:2d} {r['cycle_s']:7.1f} {cand:12.1f} {r['load_s']:6.2f} "
         f"{d[1]['champion']:8.1f} {d[1]['overhead']:7.1%} "
-        f"{d[8]['champion']:8.1f} {d[8]['overhead']:7.1%} {r['bytes']:9,d} {h.get('line_OP', float('nan')):6.3f} "
-        f"{h.get('line_BWT', float('nan')):7.3f}" + "".join(f" {h.get(k, float('nan')):10.4f}" for k in kl_keys(r)),
+        f"{d[8]['champion']:8.1f} {d[8]['overhead']:7.1%} {r['bytes']:10,d} {fmt(h.get('line_OP'), 6, 3)} "
+        f"{fmt(h.get('line_BWT'), 7, 3)}" + "".join(f" {fmt(v, 10, 4)}" for v in kl),
         flush=True,
     )
+
+
+def fmt(value, width: int, digits: int) -> str:
+    """A number, or '-' where there is none (BWT before a second skill, KL of a skill not taught yet)."""
+    if value is None or value != value:
+        return f"{'-':>{width}}"
+    return f"{value:{width}.{digits}f}"
 
 
 def report(args, rows: list[dict]) -> None:
