@@ -58,6 +58,7 @@ def pooled(tmp: Path, workers: int) -> tuple[float, list[tuple[str, float, float
     """(the cycle flow run's wall seconds, [(candidate, start, end) in seconds after the cycle started])."""
     from tests.multihost_fixtures import PREFECT, run, servers
 
+    tmp.mkdir(parents=True, exist_ok=True)
     config = yaml.safe_load(CONFIG.read_text()) | {"execution": {"candidates": "work-pool", "poll_seconds": 2}}
     (tmp / "pooled.yaml").write_text(yaml.safe_dump(config))
     with servers(tmp) as (env, start):
