@@ -60,7 +60,9 @@ def commit() -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    # The doc itself changes as sections are written: only other tracked changes make the code differ from HEAD.
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", f":!{DOC.relative_to(ROOT)}")
+    return head + ("+changes" if changed else "")
 
 
 def run(name: str) -> str:
