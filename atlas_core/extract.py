@@ -24,6 +24,7 @@ def sample_activations(
     batch_size: int = 16,
     max_length: int = 1024,
     progress: bool = True,
+    first: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """(num_vectors, d) fp32 layer-`layer` outputs at random non-padding positions.
 
@@ -31,6 +32,8 @@ def sample_activations(
     each, drawn from a generator seeded with `seed` (the same vectors whatever the batch
     size). Only layers 0..layer run, and each text only up to its last sampled position:
     a causal model's later tokens cannot change an earlier position's hidden state.
+    `first`: per text, the first position that may be sampled (e.g. its prompt's token count,
+    so that only states that have seen some of the answer are drawn); None: any position.
     """
     needed = math.ceil(num_vectors / per_example)
     if len(texts) < needed:
@@ -42,15 +45,20 @@ def sample_activations(
         "input_ids"
     ]
     lengths = torch.tensor([len(ids) for ids in encoded])
-    if (lengths < per_example).any():
-        short = int((lengths < per_example).nonzero()[0])
+    start = torch.zeros_like(lengths) if first is None else torch.tensor(list(first[:needed]), dtype=torch.long)
+    if len(start) != needed:
+        raise ValueError(f"first: expected a position for each of the {needed} texts used, got {len(start)}")
+    if (lengths - start < per_example).any():
+        short = int((lengths - start < per_example).nonzero()[0])
         raise InputError(
-            f"texts: example {short} has {int(lengths[short])} tokens, fewer than per_example={per_example}"
+            f"texts: example {short} has {int(lengths[short] - start[short])} tokens to sample from, fewer than "
+            f"per_example={per_example}"
         )
-    # Random scores on real tokens, -inf beyond each text: the top `per_example` are a uniform sample.
+    # Random scores on the positions that may be drawn, -inf elsewhere: the top `per_example` are a uniform sample.
     generator = torch.Generator().manual_seed(seed)
     scores = torch.rand(needed, int(lengths.max()), generator=generator)
-    scores[torch.arange(scores.shape[1])[None, :] >= lengths[:, None]] = -math.inf
+    t = torch.arange(scores.shape[1])[None, :]  # (1, T)
+    scores[(t >= lengths[:, None]) | (t < start[:, None])] = -math.inf
     positions = scores.topk(per_example, dim=1).indices  # (needed, per_example)
     ends = positions.max(1).values + 1  # tokens each text must run
 

@@ -21,14 +21,22 @@ RETAINED_DOMAINS = ("gsm8k", "csqa")  # the default retained set of an update co
 
 def pair_context(tokenizer: Any, prompt: str, response: str) -> str:
     """A (prompt, response) pair as one teacher-forced context, rendered as the trainer renders it."""
-    head, tail = render_chat(tokenizer, prompt, response)
-    return head + tail
+    return "".join(render_chat(tokenizer, prompt, response))
 
 
 def retained_contexts(
     tokenizer: Any, domain: str, split: str | None = None, limit: int | None = None, root: str | Path | None = None
 ) -> tuple[list[str], list[str]]:
-    """(ids, contexts) of the first `limit` rows of a retained domain, in file order.
+    """(ids, contexts) of the first `limit` rows of a retained domain, in file order (retained_prompts)."""
+    ids, _, texts = retained_prompts(tokenizer, domain, split, limit, root)
+    return ids, texts
+
+
+def retained_prompts(
+    tokenizer: Any, domain: str, split: str | None = None, limit: int | None = None, root: str | Path | None = None
+) -> tuple[list[str], list[str], list[str]]:
+    """(ids, prompts, contexts) of the first `limit` rows of a retained domain, in file order; each
+    context is its rendered prompt followed by the reference answer (the KL's position kinds).
 
     gsm8k: math prompt + the reference solution (split 'test' by default);
     csqa: choice prompt + the correct label (split 'validation' by default);
@@ -37,18 +45,28 @@ def retained_contexts(
     if domain == "gsm8k":
         ds = load_gsm8k(split or "test", root)
         ds = ds.select(range(min(limit, len(ds)))) if limit else ds
-        texts = [render(tokenizer, math_message(q), "math") + a for q, a in zip(ds["question"], ds["answer"])]
+        pairs = [(render(tokenizer, math_message(q), "math"), a) for q, a in zip(ds["question"], ds["answer"])]
     elif domain == "csqa":
         ds = load_csqa(split or "validation", root)
         ds = ds.select(range(min(limit, len(ds)))) if limit else ds
-        texts = [
-            render(tokenizer, choice_message(s, t), "choice") + a
+        pairs = [
+            (render(tokenizer, choice_message(s, t), "choice"), a)
             for s, t, a in zip(ds["stem"], ds["texts"], ds["answer"])
         ]
     elif domain == "mbpp":
-        pairs = mbpp_pairs(split or "test", root)
-        pairs = pairs[:limit] if limit else pairs
-        return [p["id"] for p in pairs], [pair_context(tokenizer, p["prompt"], p["response"]) for p in pairs]
+        rows = mbpp_pairs(split or "test", root)
+        rows = rows[:limit] if limit else rows
+        return [p["id"] for p in rows], *rendered_pairs(tokenizer, [(p["prompt"], p["response"]) for p in rows])
     else:
         raise InputError(f"domain: expected one of {RETAINED_DOMAINS + ('mbpp',)}, got {domain!r}")
-    return list(ds["id"]), texts
+    return list(ds["id"]), [p for p, _ in pairs], [p + a for p, a in pairs]
+
+
+def rendered_pairs(tokenizer: Any, pairs: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
+    """(prompts, contexts) of (prompt, response) pairs rendered as the trainer renders them."""
+    heads, texts = [], []
+    for prompt, response in pairs:
+        head, tail = render_chat(tokenizer, prompt, response)
+        heads.append(head)
+        texts.append(head + tail)
+    return heads, texts

@@ -31,7 +31,7 @@ from atlas_core.errors import InputError
 from atlas_core.io import sha256_file
 from atlas_core.typed_config import ConfigError, build, field
 from evaluation.answers import CHECKERS
-from evaluation.contexts import pair_context, retained_contexts
+from evaluation.contexts import rendered_pairs, retained_prompts
 from evaluation.datafiles import known
 from evaluation.userdata import DomainExample, load_domain_jsonl, resolve_path
 
@@ -167,6 +167,14 @@ def domain_contexts(
 ) -> tuple[list[str], list[str]]:
     """(ids, teacher-forced contexts) of the domain's first `limit` rows in `role` ('gate' or
     'calibration'); the two roles never share a row."""
+    ids, _, texts = domain_prompts(tokenizer, spec, role, limit)
+    return ids, texts
+
+
+def domain_prompts(
+    tokenizer: Any, spec: DomainSpec, role: str, limit: int | None = None
+) -> tuple[list[str], list[str], list[str]]:
+    """(ids, prompts, contexts) as domain_contexts, with each context's rendered prompt."""
     if role not in ROLES:
         raise ValueError(f"role: expected one of {list(ROLES)}, got {role!r}")
     if limit is not None and limit < 1:
@@ -174,9 +182,9 @@ def domain_contexts(
     domain = resolve_domain(spec)
     if domain.builtin:
         split = BUILTIN_SPLITS[domain.name][ROLES.index(role)]
-        return retained_contexts(tokenizer, domain.name, split, limit)
+        return retained_prompts(tokenizer, domain.name, split, limit)
     rows = _file_rows(domain)[role][:limit]
-    return [r.id for r in rows], [pair_context(tokenizer, r.prompt, r.reference) for r in rows]
+    return [r.id for r in rows], *rendered_pairs(tokenizer, [(r.prompt, r.reference) for r in rows])
 
 
 # ------------------------------------------------------------------------------ content hashes

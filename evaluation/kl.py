@@ -4,6 +4,13 @@ KL(p_ref || p_model) over the full vocabulary at every non-padding position of s
 teacher-forced contexts (prompt + reference answer: identical tokens for every model),
 averaged over positions (spec section 5).
 
+Given each context's prompt, the KL is also split by position kind: a *prompt* position's hidden
+state has seen prompt tokens only (positions 0..n_prompt - 1, the last of which predicts the first
+answer token), a *response* position's has seen some of the reference answer. Every context of a
+domain shares its chat template and instruction, so its prompt positions repeat across contexts
+(and across the atlas's calibration rows); the split says how much of the mean they carry:
+mean = (n_p mean_p + n_r mean_r) / (n_p + n_r).
+
 What is fixed is computed once per context set and reused for every checkpoint:
 - the frozen prefix: layer-l hidden states (layers 0..l never run again), and
 - the reference: its final pre-head hidden states (d numbers a position instead of V
@@ -15,6 +22,7 @@ caches, e.g. 512 contexts x 300 tokens x 576 x 4 B = 354 MB each for SmolLM2 in 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,12 +33,41 @@ from tqdm.auto import tqdm
 from atlas_core.backbone import full_hidden, head_logits, hidden_at_layer, hidden_size, upper_hidden
 from atlas_core.residual import AtlasResidual
 
+POSITION_KINDS = ("prompt", "response")
+
+
+@dataclass
+class KLPart:
+    """The KL over one kind of position (POSITION_KINDS)."""
+
+    mean: float  # nats per position over this kind's positions; NaN when there are none
+    positions: int
+    per_context: list[float]  # each context's mean over its positions of this kind (NaN: it has none)
+
 
 @dataclass
 class KLResult:
     mean: float  # nats per position, averaged over all non-padding positions
     per_context: list[float]  # mean KL of each context, in the caller's order
     positions: int
+    by_kind: dict[str, KLPart] | None = None  # POSITION_KINDS -> its part; None: no prompts were given
+
+    def to_record(self) -> dict:
+        """JSON-ready: the mean, each context's, and both per position kind when split; NaN (a
+        context without a position of a kind) as None."""
+        num = lambda v: None if v != v else v
+        record = {
+            "mean": num(self.mean),
+            "positions": self.positions,
+            "contexts": len(self.per_context),
+            "per_context": [num(v) for v in self.per_context],
+        }
+        if self.by_kind is not None:
+            record["by_kind"] = {
+                k: {"mean": num(p.mean), "positions": p.positions, "per_context": [num(v) for v in p.per_context]}
+                for k, p in self.by_kind.items()
+            }
+        return record
 
 
 def kl_per_position(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -64,6 +101,25 @@ def adopted_states(
     return [h.to(dev) for h in states]
 
 
+def prompt_token_counts(
+    tokenizer, contexts: Sequence[str], prompts: Sequence[str], context_ids: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """(C,) how many of each context's tokens (`context_ids`, as the KL tokenised them) belong to
+    its prompt: the prompt's own tokens that the context's tokenisation starts with (a template's
+    turn marker ends the prompt, so no token straddles the boundary; if one did, it would count
+    as the response's)."""
+    if len(prompts) != len(contexts):
+        raise ValueError(f"prompts: expected one per context ({len(contexts)}), got {len(prompts)}")
+    counts = []
+    heads = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    for i, (context, prompt, head, ids) in enumerate(zip(contexts, prompts, heads, context_ids)):
+        if not context.startswith(prompt):
+            raise ValueError(f"prompts: context {i} does not start with its prompt")
+        n = min(len(head), len(ids))
+        counts.append(next((t for t in range(n) if head[t] != ids[t]), n))
+    return torch.tensor(counts)
+
+
 class RetainedKL:
     """KL of adapted checkpoints against a reference on one fixed set of contexts.
 
@@ -82,7 +138,10 @@ class RetainedKL:
         batch_size: int = 4,
         max_length: int = 1024,
         progress: bool = True,
+        prompts: Sequence[str] | None = None,
     ):
+        """`prompts`: each context's prompt (the context must start with it), to split the KL by
+        position kind (KLResult.by_kind); None: the mean and per-context values only."""
         if not contexts:
             raise ValueError("contexts: expected at least one retained context")
         self.model, self.layer, self.progress = model, layer, progress
@@ -90,6 +149,11 @@ class RetainedKL:
         lengths = torch.tensor([len(ids) for ids in enc["input_ids"]])
         if (lengths == 0).any():
             raise ValueError(f"contexts: context {int((lengths == 0).nonzero()[0])} is empty after tokenisation")
+        self.lengths = lengths  # (C,) tokens of each context, in the caller's order
+        # (C,) how many of them are prompt positions; None: no prompts given, no split
+        self.prompt_tokens = (
+            None if prompts is None else prompt_token_counts(tokenizer, contexts, prompts, enc["input_ids"])
+        )
         order = torch.argsort(lengths, descending=True, stable=True)  # similar lengths share a batch: little padding
         self.order = order
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -101,6 +165,12 @@ class RetainedKL:
             ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
             mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
             self.batches.append((ids, mask))
+        # (B, T) per batch: 1 at a response position, 0 at a prompt position (and at padding)
+        counts = self.prompt_tokens if self.prompt_tokens is not None else torch.zeros_like(lengths)
+        self.response_at = [
+            (torch.arange(ids.shape[1]) >= counts[order[start : start + batch_size], None]).long() * mask
+            for start, (ids, mask) in zip(range(0, len(order), batch_size), self.batches)
+        ]
         self._prefix: list[torch.Tensor] | None = None
         self.positions = int(lengths.sum())
 
@@ -172,27 +242,46 @@ class RetainedKL:
             if len(reference) != len(self.batches):
                 raise ValueError(f"reference: expected {len(self.batches)} batches, got {len(reference)}")
         distinct = list({id(r): r for r in references}.values())
-        per_context = [torch.zeros(len(self.order)) for _ in distinct]
-        totals, row = [0.0] * len(distinct), 0
+        sums = [torch.zeros(len(self.order), 2, dtype=torch.float64) for _ in distinct]  # (C, kind) KL sums
+        row = 0
         for i in tqdm(range(len(self.batches)), desc="KL", disable=not self.progress):
             _, mask = self.batches[i]
             real = mask.bool().to(self._device())
             h = self._upper(i, residual)[real]  # (N, d): real positions only, padding never reaches the head
             refs = [reference[i][real] for reference in distinct]
-            row_of = real.nonzero()[:, 0].cpu()  # (N,): the context of each position in the batch
-            sums = [torch.zeros(len(mask)) for _ in distinct]
+            # (N,): 2 * (the context's row in the batch) + (1 at a response position)
+            slot = (real.nonzero()[:, 0].cpu() * 2 + self.response_at[i][real.cpu()]).long()
+            batch_sums = [torch.zeros(2 * len(mask), dtype=torch.float64) for _ in distinct]
             for start in range(0, len(h), HEAD_CHUNK):
                 part = slice(start, start + HEAD_CHUNK)
                 logp = F.log_softmax(head_logits(self.model, h[part]).float(), dim=-1)  # (n, V)
                 for j, ref in enumerate(refs):
                     ref_logp = F.log_softmax(head_logits(self.model, ref[part]).float(), dim=-1)
-                    sums[j].index_add_(0, row_of[part], kl_of_log_probs(ref_logp, logp).cpu())
-            for j, per_row in enumerate(sums):
-                totals[j] += float(per_row.sum())
-                per_context[j][self.order[row : row + len(mask)]] = per_row / mask.sum(1)
+                    batch_sums[j].index_add_(0, slot[part], kl_of_log_probs(ref_logp, logp).cpu().double())
+            for j, per_slot in enumerate(batch_sums):
+                sums[j][self.order[row : row + len(mask)]] = per_slot.view(-1, 2)
             row += len(mask)
-        results = {
-            id(r): KLResult(mean=t / self.positions, per_context=p.tolist(), positions=self.positions)
-            for r, t, p in zip(distinct, totals, per_context)
-        }
+        results = {id(r): self._result(s) for r, s in zip(distinct, sums)}
         return [results[id(r)] for r in references]
+
+    def _result(self, sums: torch.Tensor) -> KLResult:
+        """A KLResult from the (C, 2) KL sums of each context's prompt and response positions."""
+        lengths, total = self.lengths.double(), sums.sum(1)  # (C,), (C,)
+        result = KLResult(
+            mean=float(total.sum()) / self.positions,
+            per_context=(total / lengths).tolist(),
+            positions=self.positions,
+        )
+        if self.prompt_tokens is None:
+            return result
+        counts = torch.stack([self.prompt_tokens.double(), lengths - self.prompt_tokens.double()], 1)  # (C, 2)
+        per_context = sums / counts  # (C, 2); NaN where a context has no position of a kind (0 / 0)
+        result.by_kind = {
+            kind: KLPart(
+                mean=float(sums[:, k].sum() / counts[:, k].sum()) if counts[:, k].sum() > 0 else math.nan,
+                positions=int(counts[:, k].sum()),
+                per_context=per_context[:, k].tolist(),
+            )
+            for k, kind in enumerate(POSITION_KINDS)
+        }
+        return result

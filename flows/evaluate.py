@@ -120,6 +120,12 @@ def log_candidate(db, bridge, m: CandidateMetrics, evaluation_id: int) -> None:
     numbers = {"target_solved": m.target_solved, "csqa_choice_churn": m.csqa_choice_churn}
     numbers |= {f"{k}_{d}": v for k in ("kl_vs_base", "kl_vs_champion") for d, v in getattr(m, k).items()}
     numbers |= {f"released_score_{k}": r.score for k, r in m.released.items()}
+    numbers |= {  # e.g. kl_vs_champion_response_gsm8k: the KL on the answer's positions alone
+        f"kl_{against}_{kind}_{member}": getattr(t, kind)
+        for against, members in m.kl_tail.items()
+        for member, t in members.items()
+        for kind in kl_tail.POSITION_KINDS
+    }
     run_id = ensure_mlflow_run(db, bridge, get_version(db, m.version_id).training_run_id)
     bridge.log_metrics(run_id, {k: v for k, v in numbers.items() if ok(v) is not None}, m.step)
     # The run's versions share one table (MLflow appends); each row names its version and evaluation.
@@ -173,12 +179,14 @@ def measure_candidate(res: Resources, ctx: CycleContext, version) -> CandidateMe
     target = scorer_for(res, ctx, "target")
     kl = kl_against(ctx, applied, [base, champion], teachers(res, ctx))
     vs_base, vs_champion, vs_teacher = ({member: r.mean for member, r in results.items()} for results in kl)
+    against = {"vs_base": kl[0], "vs_champion": kl[1]}
     tails, moved = kl_tail.summarise(
-        {
-            "vs_base": {member: r.per_context for member, r in kl[0].items()},
-            "vs_champion": {member: r.per_context for member, r in kl[1].items()},
-        },
+        {a: {member: r.per_context for member, r in results.items()} for a, results in against.items()},
         lambda member: res.gate_texts(ctx, member),
+        by_kind={
+            a: {member: {k: part.mean for k, part in (r.by_kind or {}).items()} for member, r in results.items()}
+            for a, results in against.items()
+        },
     )
     m = CandidateMetrics(
         **version_fields(version),

@@ -1,10 +1,17 @@
-"""The tail of retained KL over a member's contexts, beyond its mean, and the contexts that moved most.
+"""Retained KL beyond its mean: its tail over a member's contexts, its split by position kind, and
+the contexts that moved most.
 
 A member's retained KL (flows/resources.py: Resources.retained_kl) is the mean over all its tokens; a
 candidate that leaves most contexts alone and wrecks a few can pass a mean limit. The gate
 can also bound the p95, p99 and max of the per-context values (flows/gates.py: kl_tail_checks),
 and the report and the candidate's MLflow run list the contexts that moved most, with their
 text, so a reviewer sees what moved.
+
+The mean also mixes two kinds of position (evaluation/kl.py): prompt positions, whose hidden
+states have seen only the rendered prompt (a chat template and instruction every context of a
+domain shares), and response positions, inside the reference answer. "prompt" and "response",
+the mean KL over each kind, are limited like the tail statistics: a policy can bound the KL on
+answers alone, which a shared prompt cannot dilute.
 
 Values are kept per reference: "vs_champion" and "vs_base" (AGAINST), then per member of the
 retained set (configured domains and released skills). Pure functions; the evaluation stores
@@ -25,19 +32,26 @@ import numpy as np
 
 AGAINST = ("vs_champion", "vs_base")
 QUANTILES = MappingProxyType({"p95": 0.95, "p99": 0.99})
-STATISTICS = (*QUANTILES, "max")  # what a policy may limit; the fields of KLTail
+# evaluation.kl.POSITION_KINDS, spelled out: importing it would load torch into the operational
+# commands that read a policy (tests/test_gate_kl_tail.py checks the two agree).
+POSITION_KINDS = ("prompt", "response")
+STATISTICS = (*QUANTILES, "max", *POSITION_KINDS)  # what a policy may limit; the fields of KLTail
 TOP_K = 5  # contexts listed per (reference, member)
 SNIPPET_CHARS = 100
 
 
 @dataclass(frozen=True)
 class KLTail:
-    """p95, p99 and max of one member's per-context KL (nats/token) over its `contexts` contexts."""
+    """p95, p99 and max of one member's per-context KL (nats/token) over its `contexts` contexts,
+    and its mean KL over prompt and over response positions (None: not split, e.g. stored by
+    older code; a limit on it then fails closed)."""
 
     p95: Optional[float]
     p99: Optional[float]
     max: Optional[float]
     contexts: int
+    prompt: Optional[float] = None
+    response: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -60,8 +74,10 @@ def quantile(values: Sequence[float], q: float) -> float:
     return float(np.quantile(np.asarray(values, dtype=np.float64), q, method="linear"))
 
 
-def tail(per_context: Sequence[float]) -> KLTail:
-    return KLTail(*(quantile(per_context, q) for q in (*QUANTILES.values(), 1.0)), contexts=len(per_context))
+def tail(per_context: Sequence[float], by_kind: Optional[Mapping[str, float]] = None) -> KLTail:
+    """The tail of `per_context`, with the mean KL per position kind when `by_kind` gives it."""
+    quantiles = (quantile(per_context, q) for q in (*QUANTILES.values(), 1.0))
+    return KLTail(*quantiles, contexts=len(per_context), **{k: (by_kind or {}).get(k) for k in POSITION_KINDS})
 
 
 def snippet(text: str, chars: int = SNIPPET_CHARS) -> str:
@@ -93,11 +109,19 @@ def most_moved(per_context: Sequence[float], texts: Sequence[str], k: int = TOP_
 
 
 def summarise(
-    per_context: Mapping[str, Mapping[str, Sequence[float]]], texts: Callable[[str], Sequence[str]], k: int = TOP_K
+    per_context: Mapping[str, Mapping[str, Sequence[float]]],
+    texts: Callable[[str], Sequence[str]],
+    k: int = TOP_K,
+    by_kind: Optional[Mapping[str, Mapping[str, Mapping[str, float]]]] = None,
 ) -> tuple[dict[str, dict[str, KLTail]], dict[str, dict[str, list[MovedContext]]]]:
     """per_context: reference (AGAINST) -> member -> its per-context KL, in the order of
-    `texts(member)`. Returns the tails and the k contexts that moved most, keyed the same way."""
-    tails = {against: {m: tail(v) for m, v in members.items()} for against, members in per_context.items()}
+    `texts(member)`; by_kind, keyed the same way: the mean KL per position kind. Returns the
+    tails and the k contexts that moved most, keyed the same way."""
+    kinds = by_kind or {}
+    tails = {
+        against: {m: tail(v, kinds.get(against, {}).get(m)) for m, v in members.items()}
+        for against, members in per_context.items()
+    }
     moved = {
         against: {m: most_moved(v, texts(m), k) for m, v in members.items()} for against, members in per_context.items()
     }
@@ -132,7 +156,7 @@ def from_extra(extra: dict) -> tuple[dict[str, dict[str, KLTail]], dict[str, dic
     limit then fails closed as not measured)."""
     tails = {
         a: {
-            m: KLTail(*(_number(t.get(s)) for s in STATISTICS), contexts=int(t.get("contexts", 0)))
+            m: KLTail(**{s: _number(t.get(s)) for s in STATISTICS}, contexts=int(t.get("contexts", 0)))
             for m, t in members.items()
         }
         for a, members in extra.get("kl_tail", {}).items()

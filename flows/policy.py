@@ -188,8 +188,10 @@ class ReleasePolicy:
     max_kl_tail_vs_champion: dict[str, dict[str, float]] = field(
         f"Optional: per domain (or {RELEASED!r} for every released skill not named), the largest allowed "
         f"{'/'.join(STATISTICS)} of the per-context retained KL against the champion (nats/token; p95/p99: quantiles "
-        "over the member's contexts by linear interpolation, numpy's default; max: the largest context). E.g. "
-        "{csqa: {p95: 0.1, max: 0.5}}. Empty: not checked; a limit on a tail not measured fails.",
+        "over the member's contexts by linear interpolation, numpy's default; max: the largest context; prompt / "
+        "response: the mean over the prompt positions / over the reference answer's positions only, "
+        "flows/kl_tail.py). E.g. {csqa: {p95: 0.1, max: 0.5}, gsm8k: {response: 0.01}}. Empty: not checked; a "
+        "limit on a statistic not measured fails.",
         factory=dict,
     )
     max_kl_tail_vs_base: dict[str, dict[str, float]] = field(

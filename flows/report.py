@@ -87,9 +87,13 @@ def kl_context_tables(candidates: list[CandidateMetrics]) -> list[str]:
         if not c.kl_tail:
             lines.append("Not measured: evaluated by a version that stored only the mean KL.")
             continue
-        lines += ["| against | member | contexts | p95 | p99 | max |", "|---|---|---:|---:|---:|---:|"]
         lines += [
-            f"| {against} | {member} | {t.contexts} | {_num(t.p95)} | {_num(t.p99)} | {_num(t.max)} |"
+            "| against | member | contexts | p95 | p99 | max | prompt positions | response positions |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {against} | {member} | {t.contexts} | {_num(t.p95)} | {_num(t.p99)} | {_num(t.max)} | "
+            f"{_num(t.prompt)} | {_num(t.response)} |"
             for against in kl_tail.AGAINST
             for member, t in sorted(c.kl_tail.get(against, {}).items())
         ]
@@ -190,8 +194,10 @@ def write_report(
             "## Retained KL per context",
             "",
             "Beyond each member's mean: the p95, p99 and max of its "
-            "per-context KL (nats/token; quantiles by linear interpolation) and the contexts that moved most "
-            "(index into the member's gate contexts, with the text's beginning).",
+            "per-context KL (nats/token; quantiles by linear interpolation), its mean over prompt positions "
+            "(hidden states that saw only the rendered prompt) and over response positions (inside the "
+            "reference answer), and the contexts that moved most (index into the member's gate contexts, "
+            "with the text's beginning).",
         ]
         lines += kl_context_tables(candidates)
     if history is not None:

@@ -89,7 +89,8 @@ class Resources:
         self._atlases: dict[str, object] = {}  # atlas file sha256 -> Atlas
         self._atlas_paths: dict[str, object] = {}  # local path -> Atlas
         self._deltas: dict[str, object] = {}  # adapter sha256 -> atlas_core.chain delta
-        self._gate_texts: dict[str, list[str]] = {}  # (backbone, member spec, count) JSON -> contexts
+        # (backbone, member spec, count) JSON -> (prompts, contexts)
+        self._gate_texts: dict[str, tuple[list[str], list[str]]] = {}
         self._kl_sets: dict[KLKey, object] = {}  # -> evaluation.kl.RetainedKL with prefix states
         self._references: dict[tuple[KLKey, tuple[str, ...]], list] = {}  # (contexts, chain) -> final states
         self._choice_sets: dict[ChoiceKey, object] = {}  # -> evaluation.choice.ChoiceSet with prefix states
@@ -212,6 +213,13 @@ class Resources:
     # -------------------------------------------------------------------------- retained KL
     def gate_texts(self, ctx, member: str) -> list[str]:
         """A member's retained-KL contexts (flows.retained.gate_texts), rendered once per spec."""
+        return self._gate_prompts_and_texts(ctx, member)[1]
+
+    def gate_prompts(self, ctx, member: str) -> list[str]:
+        """The prompt each of the member's retained-KL contexts begins with (in gate_texts' order)."""
+        return self._gate_prompts_and_texts(ctx, member)[0]
+
+    def _gate_prompts_and_texts(self, ctx, member: str) -> tuple[list[str], list[str]]:
         from . import retained
         from .components import json_dumps
 
@@ -261,7 +269,8 @@ class Resources:
             return self._kl_sets[key]
         bb = self.backbone(ctx.backbone)
         texts, limit = self.gate_texts(ctx, member), ctx.config.retained.kl_max_tokens
-        kl = RetainedKL(bb.model, bb.tokenizer, texts, ctx.kl_layer, max_length=limit, progress=False)
+        prompts = self.gate_prompts(ctx, member)
+        kl = RetainedKL(bb.model, bb.tokenizer, texts, ctx.kl_layer, max_length=limit, progress=False, prompts=prompts)
         if ctx.kl_layer >= 0:  # -1: a delta changes layer 0, whole forwards (evaluation.kl)
             with phase(f"KL {member} (prefix states)"):
                 kl.use_prefix(self._stored_states(("prefix", *_kl_tuple(key), _layout(kl)), kl.prefix))

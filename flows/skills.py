@@ -185,10 +185,10 @@ def require_evaluable(spec: SkillSpec, role: str) -> None:
         )
 
 
-def skill_texts(tokenizer, spec: SkillSpec, role: str, limit: int) -> list[str]:
-    """Teacher-forced texts of a released skill as the trainer renders them: its held-out pairs
-    for gating ('gate') and its training pairs for the atlas ('calibration'); disjoint sets."""
-    from atlas_core.train import render_chat
+def skill_texts(tokenizer, spec: SkillSpec, role: str, limit: int) -> tuple[list[str], list[str]]:
+    """(prompts, teacher-forced texts) of a released skill as the trainer renders them: its held-out
+    pairs for gating ('gate') and its training pairs for the atlas ('calibration'); disjoint sets."""
+    from evaluation.contexts import rendered_pairs
 
     s = skill_set(SkillSpec(spec.name, spec.data | {"train_limit": None, "val_limit": None}, spec.target))
     rows = s.val if role == "gate" else s.train
@@ -197,7 +197,7 @@ def skill_texts(tokenizer, spec: SkillSpec, role: str, limit: int) -> list[str]:
             f"released skill {spec.name!r}: no {'held-out' if role == 'gate' else 'training'} pairs "
             "for its retained contexts (a JSONL skill needs data.val_source)"
         )
-    return ["".join(render_chat(tokenizer, p["prompt"], p["response"])) for p in rows[:limit]]
+    return rendered_pairs(tokenizer, [(p["prompt"], p["response"]) for p in rows[:limit]])
 
 
 def skill_files(spec: SkillSpec) -> dict[str, Path]:

@@ -116,3 +116,26 @@ def test_contiguous_head_input_feeds_the_head_a_contiguous_slice_with_the_same_l
         handle.remove()
     assert seen == [False, True, False]  # strided without it, contiguous inside, the hook gone after
     assert torch.equal(plain, fixed) and torch.equal(plain, after)
+
+
+def test_sampled_positions_start_at_first_when_it_is_given():
+    # `first` keeps a text's prompt positions out of the calibration sample (issue 32's post-prompt atlas).
+    from atlas_core.errors import InputError
+    from atlas_core.extract import sample_activations
+    from evaluation.tiny import tiny_llama, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    model = tiny_llama(len(tok), layers=2)
+    texts = ["The answer is 4 plus 5. #### 9", "def add(a, b): return a + b", "print('hello world')"]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    first = [len(i) - 2 for i in ids]  # only each text's last two positions may be drawn
+    x = sample_activations(model, tok, texts, 1, 6, per_example=2, first=first, progress=False)  # (6, d)
+    for k, row in enumerate(ids):
+        states = hidden_at_layer(model, 1, torch.tensor([row]), torch.ones(1, len(row), dtype=torch.long))[0]
+        want = states[-2:].float()  # (2, d)
+        got = x[2 * k : 2 * k + 2]
+        assert any(torch.allclose(got, w, atol=1e-5) for w in (want, want.flip(0)))
+    anywhere = sample_activations(model, tok, texts, 1, 6, per_example=2, progress=False)
+    assert not torch.allclose(anywhere, x)  # without `first`, earlier positions are drawn too
+    with pytest.raises(InputError, match="example 0 has 1 tokens to sample from"):
+        sample_activations(model, tok, texts, 1, 6, per_example=2, first=[len(ids[0]) - 1, 0, 0], progress=False)

@@ -132,8 +132,9 @@ def test_an_unmeetable_policy_rejects_then_a_passing_one_promotes_then_the_cycle
 
 
 def _kl_per_context_is_recorded_reported_and_logged(p, model, candidates, report_text: str, tmp_path) -> None:
-    """Every evaluation keeps, per reference and member, the p95/p99/max of the per-context KL and the
-    5 contexts that moved most (of the tiny config's 8); the report (whose cycle reused the stored
+    """Every evaluation keeps, per reference and member, the p95/p99/max of the per-context KL, its
+    means over prompt and over response positions, and the 5 contexts that moved most (of the tiny
+    config's 8); the report (whose cycle reused the stored
     evaluations) lists them per candidate; each training run's MLflow run holds them as one table,
     once per evaluation (the second cycle appended nothing)."""
     import json
@@ -150,6 +151,8 @@ def _kl_per_context_is_recorded_reported_and_logged(p, model, candidates, report
                 mean = means[member].kl_vs_base if against == "vs_base" else means[member].kl_vs_release
                 # the mean over tokens is a weighted mean of the contexts' own: never above the largest
                 assert t["contexts"] == 8 and -1e-6 <= t["p95"] <= t["p99"] <= t["max"] and mean <= t["max"] + 1e-9
+                # the mean over all positions weighs its prompt and response positions' means: between them
+                assert min(t["prompt"], t["response"]) - 1e-9 <= mean <= max(t["prompt"], t["response"]) + 1e-9
                 top = extra["kl_top_contexts"][against][member]
                 assert len(top) == 5 and top[0]["kl"] == t["max"] and all(c["text"] for c in top)
                 assert [c["kl"] for c in top] == sorted((c["kl"] for c in top), reverse=True)

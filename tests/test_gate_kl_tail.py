@@ -166,6 +166,29 @@ def test_a_tail_not_measured_or_impossible_fails_closed(tails):
         assert check.measured is None and check.detail.startswith("missing: not measured")
 
 
+def test_a_limit_on_response_positions_judges_the_answers_mean_alone():
+    # The mean over all positions is low (a long shared prompt that barely moved), the answer's is not.
+    split = KLTail(0.1, 0.2, 0.3, 128, prompt=0.001, response=0.04)
+    c = candidate(kl_tail={"vs_champion": {"csqa": split}, "vs_base": {"gsm8k": KLTail(0.1, 0.2, 0.3, 128)}})
+    checks = checks_of(c, policy(max_kl_tail_vs_champion={"csqa": {"response": 0.03, "prompt": 0.01}}))
+    assert (
+        not checks["kl_response_vs_champion[csqa]"].passed and checks["kl_response_vs_champion[csqa]"].measured == 0.04
+    )
+    assert checks["kl_prompt_vs_champion[csqa]"].passed
+    assert checks_of(c, policy(max_kl_tail_vs_champion={"csqa": {"response": 0.05}}))[
+        "kl_response_vs_champion[csqa]"
+    ].passed
+    # Not split (stored by older code, or measured without prompts): a limit on it fails closed.
+    unsplit = checks_of(c, policy(max_kl_tail_vs_base={"gsm8k": {"response": 10.0}}))["kl_response_vs_base[gsm8k]"]
+    assert not unsplit.passed and unsplit.measured is None
+
+
+def test_the_gates_position_kinds_are_the_kls():
+    from evaluation.kl import POSITION_KINDS
+
+    assert kl_tail.POSITION_KINDS == POSITION_KINDS
+
+
 @pytest.mark.parametrize(
     "field, limits, says",
     [
@@ -173,7 +196,7 @@ def test_a_tail_not_measured_or_impossible_fails_closed(tails):
             "max_kl_tail_vs_champion",
             {"csqa": {"p90": 0.1}},
             r"max_kl_tail_vs_champion.csqa.p90: unknown statistic; "
-            r"expected one of \['p95', 'p99', 'max'\]",
+            r"expected one of \['p95', 'p99', 'max', 'prompt', 'response'\]",
         ),
         (
             "max_kl_tail_vs_champion",
@@ -206,7 +229,10 @@ def test_the_tails_round_trip_through_the_ledger_extra_and_stored_metrics(monkey
     from registry.rows import json_field
 
     tails = {
-        "vs_champion": {"csqa": kl_tail.tail(PER_CONTEXT), "code": KLTail(math.nan, math.nan, math.inf, 4)},
+        "vs_champion": {
+            "csqa": kl_tail.tail(PER_CONTEXT, {"prompt": 0.01, "response": 0.5}),
+            "code": KLTail(math.nan, math.nan, math.inf, 4),
+        },
         "vs_base": {"csqa": kl_tail.tail([0.0] * 5)},
     }
     moved = {
@@ -220,6 +246,7 @@ def test_the_tails_round_trip_through_the_ledger_extra_and_stored_metrics(monkey
     extra = json.loads(json.dumps(stored, allow_nan=False)) | {"eval_key": "k"}
     found = stored_metrics_from(monkeypatch, extra)
     assert found.kl_tail["vs_champion"]["csqa"] == tails["vs_champion"]["csqa"]
+    assert (found.kl_tail["vs_champion"]["csqa"].prompt, found.kl_tail["vs_champion"]["csqa"].response) == (0.01, 0.5)
     assert found.kl_tail["vs_base"] == tails["vs_base"] and found.kl_top_contexts["vs_base"] == moved["vs_base"]
     assert found.kl_top_contexts["vs_champion"]["csqa"] == moved["vs_champion"]["csqa"]
     code = found.kl_tail["vs_champion"]["code"]

@@ -129,3 +129,60 @@ def test_reference_logits_from_final_hidden_match_the_forward(family, tokens):
         logits = model(input_ids=ids, attention_mask=mask).logits
         final = full_hidden(model, ids, mask)
     torch.testing.assert_close(head_logits(model, final), logits, rtol=0, atol=0)
+
+
+def naive_kl_positions(model, tok, text, residual):
+    """KL(base || base + residual) at each position of one context: two full forwards, no padding."""
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        with attach(model, residual):
+            new = model(input_ids=ids).logits
+    p = F.softmax(ref[0].double(), -1)
+    return (p * (p.log() - F.log_softmax(new[0].double(), -1))).sum(-1)  # (T,)
+
+
+# Each context cut after its prompt; the last two: no prompt at all, and nothing but prompt.
+PROMPTS = ["Question: What is 2 + 3? Answer:", "def add(a, b):", "The answer is", "", "print('hello world')"]
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_kl_by_position_kind_equals_a_hand_split(setup, batch_size):
+    model, tok, atlas = setup
+    r = residual(model, atlas, seed=5)
+    kl = RetainedKL(model, tok, CONTEXTS, layer=1, batch_size=batch_size, progress=False, prompts=PROMPTS)
+    result = kl.kl(kl.reference(), r)
+    sums, counts, per_context = {"prompt": 0.0, "response": 0.0}, {"prompt": 0, "response": 0}, []
+    for text, prompt in zip(CONTEXTS, PROMPTS):
+        n = len(tok(prompt, add_special_tokens=False)["input_ids"]) if prompt else 0
+        assert (
+            tok(text, add_special_tokens=False)["input_ids"][:n] == tok(prompt, add_special_tokens=False)["input_ids"]
+        )
+        values = naive_kl_positions(model, tok, text, r)
+        parts = {"prompt": values[:n], "response": values[n:]}
+        for kind, v in parts.items():
+            sums[kind] += float(v.sum())
+            counts[kind] += v.numel()
+        per_context.append({k: float(v.mean()) if v.numel() else None for k, v in parts.items()})
+    for kind in ("prompt", "response"):
+        part = result.by_kind[kind]
+        assert part.positions == counts[kind]
+        assert part.mean == pytest.approx(sums[kind] / counts[kind], rel=1e-4)
+        for got, want in zip(part.per_context, per_context):
+            assert (got != got) if want[kind] is None else got == pytest.approx(want[kind], rel=1e-4)
+    # The two kinds partition the positions: their count-weighted means give the mean over all.
+    prompt, response = result.by_kind["prompt"], result.by_kind["response"]
+    assert prompt.positions + response.positions == result.positions
+    weighted = (prompt.mean * prompt.positions + response.mean * response.positions) / result.positions
+    assert weighted == pytest.approx(result.mean, rel=1e-9)
+    assert counts["prompt"] > 0 and counts["response"] > 0 and sums["prompt"] > 0
+
+
+def test_without_prompts_there_is_no_split_and_a_prompt_must_begin_its_context(setup):
+    model, tok, atlas = setup
+    kl = RetainedKL(model, tok, CONTEXTS, layer=1, progress=False)
+    assert kl.kl(kl.reference()).by_kind is None
+    with pytest.raises(ValueError, match="context 1 does not start with its prompt"):
+        RetainedKL(model, tok, CONTEXTS, layer=1, progress=False, prompts=[PROMPTS[0], "class", *PROMPTS[2:]])
+    with pytest.raises(ValueError, match="one per context"):
+        RetainedKL(model, tok, CONTEXTS, layer=1, progress=False, prompts=PROMPTS[:2])

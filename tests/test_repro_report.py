@@ -3,14 +3,18 @@ and the experiment config refuses bad files with the field named."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
 from atlas_core.train.config import ConfigError
-from bench.repro.config import repro_from_dict
+from bench.repro.config import load_repro_config, repro_from_dict
 from bench.repro.report import update_docs, write_report
 from bench.repro.store import ResultStore
+
+REPO = Path(__file__).resolve().parent.parent
 
 CONFIG = {
     "name": "hand",
@@ -193,12 +197,22 @@ def test_config_parses_and_names_bad_fields():
         repro_from_dict({k: v for k, v in GOOD.items() if k != "lr_grid"})
 
 
+def test_the_committed_experiment_keeps_its_fingerprint():
+    # Fields added to the config since (atlas.positions) leave the stored results valid.
+    stored = json.loads((REPO / "results" / "repro" / "smollm2-l15" / "experiment.json").read_text())
+    assert load_repro_config(REPO / "configs" / "repro" / "smollm2.yaml").fingerprint() == stored["fingerprint"]
+
+
 def test_fingerprint_follows_what_changes_results():
     config = repro_from_dict(GOOD)
     a, methods = config.fingerprint(), config.method_fingerprints()
     assert repro_from_dict(dict(GOOD)).fingerprint() == a
     assert repro_from_dict({**GOOD, "eval": {"kl_contexts": 64}}).fingerprint() != a
     assert repro_from_dict({**GOOD, "lr_grid": [2e-4]}).fingerprint() != a
+    # An atlas sampled on response positions only is another experiment; 'all' (the default) is the one before.
+    atlas = dict(GOOD.get("atlas") or {})
+    assert repro_from_dict({**GOOD, "atlas": atlas | {"positions": "all"}}).fingerprint() == a
+    assert repro_from_dict({**GOOD, "atlas": atlas | {"positions": "response"}}).fingerprint() != a
     grown = repro_from_dict(
         {
             **GOOD,
@@ -228,3 +242,9 @@ def test_methods_without_results_are_listed_as_not_run_yet(results):
     assert text.count("not run yet (lora-null)") == 4 and "Not run yet: lora-null." in text
     assert "| lora-null | - | 0 | not run yet | | | |" in text and "| lora-null | - | - | - |" in text
     assert "Finished runs: 4 of 6" in text and "| atlas vs plain | 11-13 (3) |" in text
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "repro").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_committed_experiment_config_loads(path):
+    config = load_repro_config(path)
+    assert config.name and config.methods

@@ -97,6 +97,7 @@ class TinyWorld:
             answer_retained,
             atlas,
             info={"backbone": "tiny"},
+            kl_prompts=[c[: c.index(" Answer:") + len(" Answer:")] for c in contexts],
         )
 
 
@@ -146,6 +147,14 @@ def test_full_run_stores_every_unit(finished):
                 for s in (2, 4)
             ]
             assert all(k > 0 for k in kls)  # training moved the retained outputs
+    # Every unit keeps each context's KL and both again by position kind (prompt + response = all).
+    for path in (results / "units").glob("*/*.json"):
+        kl = json.loads(path.read_text())["kl"]
+        prompt, response = kl["by_kind"]["prompt"], kl["by_kind"]["response"]
+        assert len(kl["per_context"]) == len(prompt["per_context"]) == len(response["per_context"]) == 6
+        assert prompt["positions"] + response["positions"] == kl["positions"] and prompt["positions"] > 0
+        weighted = prompt["mean"] * prompt["positions"] + response["mean"] * response["positions"]
+        assert weighted == pytest.approx(kl["mean"] * kl["positions"], rel=1e-9)
         # seed 0 at the chosen rate is that rate's sweep run; seed 1 trains at the chosen rate only
         runs = root / "state" / "runs" / method
         assert sorted(p.name for p in (runs / "seed0").iterdir() if p.is_dir()) == ["lr-0.003", "lr-0.1"]

@@ -6,7 +6,15 @@ import torch
 from atlas_core.atlas import AtlasConfig, fit_atlas, route
 from atlas_core.backbone import decoder_layers, hidden_at_layer
 from atlas_core.io import IntegrityError
-from atlas_core.residual import RESIDUAL_VARIANTS, ResidualConfig, attach, build_residual, load_adapter, save_adapter
+from atlas_core.residual import (
+    RESIDUAL_VARIANTS,
+    AtlasResidual,
+    ResidualConfig,
+    attach,
+    build_residual,
+    load_adapter,
+    save_adapter,
+)
 from tests.test_routing_filter import slow_filter_matrix, slow_weights
 
 ATLAS_FOR = {"local": "local", "global": "global", "random-local": "random-local", "shuffled-patch": "shuffled-patch"}
@@ -210,3 +218,17 @@ def test_a_few_tokens_run_on_one_thread_and_the_thread_count_comes_back(tiny, mo
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_centered_residual_on_a_single_chart_is_centered_on_the_calibration_mean():
+    # The common-mode control (issue 32): one chart's center is the calibration mean, so the
+    # centered residual is B A (h - mean(X)), whatever the routing temperature.
+    x = torch.randn(200, 32) * 3 + torch.randn(32) * 10  # (N, d) far from the origin
+    atlas = fit_atlas(x, AtlasConfig(num_charts=1, rank=4, num_vectors=200), meta={"layer": 1})
+    r = AtlasResidual(ResidualConfig(variant="centered", layer=1, rank=8), 32, atlas)
+    torch.nn.init.normal_(r.B, generator=torch.Generator().manual_seed(0))
+    h = torch.randn(3, 5, 32) * 3  # (B, T, d)
+    with torch.no_grad():
+        want = (h - x.mean(0)) @ r.A.T @ r.B.T  # (B, T, d)
+        assert torch.allclose(r(h), want, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(r(h), h @ r.A.T @ r.B.T, atol=1e-2)  # the mean is not zero: it matters

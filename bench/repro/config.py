@@ -29,6 +29,7 @@ from atlas_core.typed_config import ConfigError, build
 
 # Explicit only: results depend on the dtype, and 'auto' (atlas_core.backbone) differs between machines.
 DTYPES = ("bfloat16", "float32")
+ATLAS_POSITIONS = ("all", "response")
 
 
 @dataclass
@@ -45,9 +46,26 @@ class AtlasSpec:
     charts: int = field(default=32, metadata={"help": "K charts."})
     rank: int = field(default=16, metadata={"help": "m directions per chart."})
     seed: int = field(default=0, metadata={"help": "Seed of position sampling and k-means++."})
+    positions: str = field(
+        default="all",
+        metadata={
+            "help": "Which positions of a calibration context are sampled: 'all', or 'response' (only states that "
+            "have seen some of the reference answer: the shared prompt's states stay out of the atlas)."
+        },
+    )
 
     def __post_init__(self) -> None:
         _positive(self, ("num_vectors", "per_example", "charts", "rank"))
+        if self.positions not in ATLAS_POSITIONS:
+            raise ConfigError(f"positions: expected one of {list(ATLAS_POSITIONS)}, got {self.positions!r}")
+
+    def to_dict(self) -> dict:
+        """The spec as fingerprints see it: `positions` only when not 'all', so that experiments
+        from before the field keep their fingerprints (and their stored results stay valid)."""
+        d = asdict(self)
+        if d["positions"] == "all":
+            del d["positions"]
+        return d
 
 
 @dataclass
@@ -157,7 +175,7 @@ class ReproConfig:
         return replace(base, backbone=self.backbone, layer=self.layer, rank=self.rank, train=train)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return asdict(self) | {"atlas": self.atlas.to_dict()}
 
     def fingerprint(self) -> str:
         """The experiment fingerprint: sha256 of the settings shared by every method (SHARED).

@@ -202,6 +202,7 @@ class Runner:
                 layer,
                 batch_size=self.config.eval.kl_batch_size,
                 progress=False,
+                prompts=self.w.kl_prompts,
             )
             with _frozen(adapter):
                 return kl, kl.reference()
@@ -232,7 +233,7 @@ class Runner:
         record = {
             "mbpp_plus": asdict(target),
             "heldout_nll": nll,
-            "kl": {"mean": moved.mean, "positions": moved.positions, "contexts": len(moved.per_context)},
+            "kl": moved.to_record(),
         }
         if final:
             with _adapted(w.model, adapter):

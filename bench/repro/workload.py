@@ -18,7 +18,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ class Workload:
     atlas: Any = None  # atlas_core.atlas.Atlas, for the methods that need one
     info: dict = field(default_factory=dict)  # backbone revision, atlas file, ...
     calibration: list[str] = field(default_factory=list)  # the atlas's retained contexts (LoRA-Null, O-LoRA, CorDA)
+    kl_prompts: list[str] | None = None  # the prompt each KL context begins with (KL by position kind)
 
 
 def heldout_pairs(limit: int) -> list[dict]:
@@ -63,7 +64,7 @@ def atlas_path(config: ReproConfig, root: Path) -> Path:
     """Shared by every experiment with the same backbone, layer and atlas spec: a smoke run fits
     the atlas the full run then loads, and the fp32 check uses the same atlas as the bf16 run
     (the dtype it was extracted in is in its meta; routing always runs in fp32)."""
-    key = json.dumps([config.backbone, config.layer, asdict(config.atlas)], sort_keys=True)
+    key = json.dumps([config.backbone, config.layer, config.atlas.to_dict()], sort_keys=True)
     return (
         root
         / "atlases"
@@ -75,7 +76,8 @@ def fit_or_load_atlas(config: ReproConfig, model, tokenizer, path: Path):
     """The experiment's atlas: loaded (sha256-checked) if this session or an earlier one fitted it."""
     from atlas_core.atlas import Atlas, AtlasConfig, fit_atlas
     from atlas_core.extract import sample_activations
-    from evaluation.contexts import retained_contexts
+    from evaluation.contexts import retained_prompts
+    from evaluation.kl import prompt_token_counts
 
     if path.is_file():
         return Atlas.load(path)
@@ -88,16 +90,31 @@ def fit_or_load_atlas(config: ReproConfig, model, tokenizer, path: Path):
         seed=spec.seed,
     )
     examples = -(-spec.num_vectors // spec.per_example)
-    ids, texts = retained_contexts(tokenizer, spec.retained, spec.split, limit=examples)
+    ids, prompts, texts = retained_prompts(tokenizer, spec.retained, spec.split, limit=examples)
+    # 'response': the first position that may be drawn is the first whose state has seen the answer
+    first = (
+        prompt_token_counts(tokenizer, texts, prompts, tokenizer(texts, add_special_tokens=False)["input_ids"])
+        if spec.positions == "response"
+        else None
+    )
     started = time.perf_counter()
     x = sample_activations(
-        model, tokenizer, texts, config.layer, spec.num_vectors, spec.per_example, spec.seed, progress=False
+        model,
+        tokenizer,
+        texts,
+        config.layer,
+        spec.num_vectors,
+        spec.per_example,
+        spec.seed,
+        progress=False,
+        first=first,
     )
     meta = {
         "layer": config.layer,
         "backbone": config.backbone,
         "dtype": config.dtype,
-        "data": f"{spec.retained} {spec.split}: first {len(ids)} contexts (prompt + reference answer)",
+        "data": f"{spec.retained} {spec.split}: first {len(ids)} contexts (prompt + reference answer)"
+        + ("" if first is None else ", response positions only"),
     }
     atlas = fit_atlas(x, atlas_config, meta)
     atlas.save(path)
@@ -112,7 +129,7 @@ def fit_or_load_atlas(config: ReproConfig, model, tokenizer, path: Path):
 def default_workload(config: ReproConfig, state: Path) -> Workload:
     """The real workload on `config.backbone` (offline; data verified by sha256)."""
     from atlas_core.backbone import load_backbone
-    from evaluation.contexts import retained_contexts
+    from evaluation.contexts import retained_contexts, retained_prompts
     from evaluation.data import mbpp_pairs
     from evaluation.tasks import eval_gsm8k, eval_mbpp_plus
 
@@ -139,7 +156,7 @@ def default_workload(config: ReproConfig, state: Path) -> Workload:
 
     needs_atlas = any(config.run_config(m.name, 0, 1.0).atlas is not None for m in config.methods)
     atlas = fit_or_load_atlas(config, model, tokenizer, atlas_path(config, state.parent)) if needs_atlas else None
-    _, contexts = retained_contexts(tokenizer, "gsm8k", "test", limit=ev.kl_contexts)
+    _, prompts, contexts = retained_prompts(tokenizer, "gsm8k", "test", limit=ev.kl_contexts)
     spec, calibration = config.atlas, []
     if any(
         rc.adapter == "weight-lora" and rc.lora.needs_stats
@@ -160,4 +177,5 @@ def default_workload(config: ReproConfig, state: Path) -> Workload:
         atlas,
         info={"backbone": backbone.name, "revision": backbone.revision, "dtype": config.dtype},
         calibration=calibration,
+        kl_prompts=prompts,
     )
