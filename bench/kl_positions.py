@@ -53,7 +53,8 @@ def main() -> None:
         version = load_release(args.model, name)
         result = kl_set(version.model).kl(reference)
         prompt, response = result.by_kind["prompt"], result.by_kind["response"]
-        share = prompt.mean * prompt.positions / (result.mean * result.positions)
+        total = result.mean * result.positions
+        share = prompt.mean * prompt.positions / total if total > 0 else float("nan")  # the base itself: 0 / 0
         print(f"{version.name:48s} {result.mean:9.5f} {prompt.mean:9.5f} {response.mean:9.5f} {share:24.1%}")
         version.detach()
     print(f"positions: {prompt.positions:,} prompt, {response.positions:,} response (of {result.positions:,})")

@@ -152,7 +152,9 @@ def _kl_per_context_is_recorded_reported_and_logged(p, model, candidates, report
                 # the mean over tokens is a weighted mean of the contexts' own: never above the largest
                 assert t["contexts"] == 8 and -1e-6 <= t["p95"] <= t["p99"] <= t["max"] and mean <= t["max"] + 1e-9
                 # the mean over all positions weighs its prompt and response positions' means: between them
-                assert min(t["prompt"], t["response"]) - 1e-9 <= mean <= max(t["prompt"], t["response"]) + 1e-9
+                # (the tiny config's kl_max_tokens cuts GSM8K contexts inside the prompt: no response there)
+                kinds = [t[k] for k in ("prompt", "response") if t[k] is not None]
+                assert kinds and min(kinds) - 1e-9 <= mean <= max(kinds) + 1e-9, t
                 top = extra["kl_top_contexts"][against][member]
                 assert len(top) == 5 and top[0]["kl"] == t["max"] and all(c["text"] for c in top)
                 assert [c["kl"] for c in top] == sorted((c["kl"] for c in top), reverse=True)
