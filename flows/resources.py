@@ -212,7 +212,7 @@ class Resources:
 
     # -------------------------------------------------------------------------- retained KL
     def gate_texts(self, ctx, member: str) -> list[str]:
-        """A member's retained-KL contexts (flows.retained.gate_texts), rendered once per spec."""
+        """A member's retained-KL contexts (flows.retained.gate_contexts), rendered once per spec."""
         return self._gate_prompts_and_texts(ctx, member)[1]
 
     def gate_prompts(self, ctx, member: str) -> list[str]:
@@ -226,7 +226,7 @@ class Resources:
         spec = retained.member_spec(ctx, member)
         key = json_dumps([ctx.backbone.name, spec, ctx.config.retained.kl_contexts])
         if key not in self._gate_texts:
-            self._gate_texts[key] = retained.gate_texts(ctx, member, self.backbone(ctx.backbone).tokenizer)
+            self._gate_texts[key] = retained.gate_contexts(ctx, member, self.backbone(ctx.backbone).tokenizer)
         return self._gate_texts[key]
 
     def _kl_key(self, ctx, member: str) -> KLKey:

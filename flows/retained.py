@@ -12,7 +12,7 @@ from __future__ import annotations
 from atlas_core.errors import InputError
 
 from .cycle import CycleContext
-from .skills import SkillSpec, skill_set, skill_texts
+from .skills import SkillSpec, skill_contexts, skill_set
 
 
 def _released(ctx: CycleContext, member: str) -> SkillSpec | None:
@@ -30,25 +30,25 @@ def member_spec(ctx: CycleContext, member: str):
     return spec.to_dict() if spec is not None else _domain(ctx, member)
 
 
-def _prompts(ctx: CycleContext, member: str, role: str, limit: int | None, tokenizer) -> tuple[list[str], list[str]]:
+def _rendered(ctx: CycleContext, member: str, role: str, limit: int | None, tokenizer) -> tuple[list[str], list[str]]:
     """(prompts, texts) of the member's rows in `role`: each text is its prompt + the reference answer."""
     from evaluation.domains import domain_prompts
 
     spec = _released(ctx, member)
     if spec is not None:
-        return skill_texts(tokenizer, spec, role, limit)
+        return skill_contexts(tokenizer, spec, role, limit)
     return domain_prompts(tokenizer, _domain(ctx, member), role, limit)[1:]
 
 
 def _texts(ctx: CycleContext, member: str, role: str, limit: int | None, tokenizer) -> list[str]:
-    return _prompts(ctx, member, role, limit, tokenizer)[1]
+    return _rendered(ctx, member, role, limit, tokenizer)[1]
 
 
-def gate_texts(ctx: CycleContext, member: str, tokenizer) -> tuple[list[str], list[str]]:
+def gate_contexts(ctx: CycleContext, member: str, tokenizer) -> tuple[list[str], list[str]]:
     """(prompts, contexts): the member's retained-KL contexts (first `retained.kl_contexts` gating
     rows) rendered with the backbone's chat template, and the prompt each begins with (the KL's
     position kinds); flows.resources.Resources keeps them per spec."""
-    return _prompts(ctx, member, "gate", ctx.config.retained.kl_contexts, tokenizer)
+    return _rendered(ctx, member, "gate", ctx.config.retained.kl_contexts, tokenizer)
 
 
 def calibration_texts(ctx: CycleContext, member: str, limit: int, tokenizer) -> list[str]:

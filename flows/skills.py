@@ -185,7 +185,7 @@ def require_evaluable(spec: SkillSpec, role: str) -> None:
         )
 
 
-def skill_texts(tokenizer, spec: SkillSpec, role: str, limit: int) -> tuple[list[str], list[str]]:
+def skill_contexts(tokenizer, spec: SkillSpec, role: str, limit: int) -> tuple[list[str], list[str]]:
     """(prompts, teacher-forced texts) of a released skill as the trainer renders them: its held-out
     pairs for gating ('gate') and its training pairs for the atlas ('calibration'); disjoint sets."""
     from evaluation.contexts import rendered_pairs
