@@ -53,9 +53,12 @@ def main() -> None:
         version = load_release(args.model, name)
         result = kl_set(version.model).kl(reference)
         prompt, response = result.by_kind["prompt"], result.by_kind["response"]
-        total = result.mean * result.positions
-        share = prompt.mean * prompt.positions / total if total > 0 else float("nan")  # the base itself: 0 / 0
-        print(f"{version.name:48s} {result.mean:9.5f} {prompt.mean:9.5f} {response.mean:9.5f} {share:24.1%}")
+        total, prompt_sum = result.mean * result.positions, (prompt.mean or 0.0) * prompt.positions
+        share = prompt_sum / total if total > 0 else float("nan")  # the base itself: 0 / 0
+        means = " ".join(
+            f"{m:9.5f}" if m is not None else f"{'-':>9s}" for m in (result.mean, prompt.mean, response.mean)
+        )
+        print(f"{version.name:48s} {means} {share:24.1%}")
         version.detach()
     print(f"positions: {prompt.positions:,} prompt, {response.positions:,} response (of {result.positions:,})")
 

@@ -19,11 +19,6 @@ from .prompts import choice_message, math_message, render
 RETAINED_DOMAINS = ("gsm8k", "csqa")  # the default retained set of an update config ('mbpp' is also accepted here)
 
 
-def pair_context(tokenizer: Any, prompt: str, response: str) -> str:
-    """A (prompt, response) pair as one teacher-forced context, rendered as the trainer renders it."""
-    return "".join(render_chat(tokenizer, prompt, response))
-
-
 def retained_contexts(
     tokenizer: Any, domain: str, split: str | None = None, limit: int | None = None, root: str | Path | None = None
 ) -> tuple[list[str], list[str]]:

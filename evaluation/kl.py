@@ -22,7 +22,6 @@ caches, e.g. 512 contexts x 300 tokens x 576 x 4 B = 354 MB each for SmolLM2 in 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,7 +39,7 @@ POSITION_KINDS = ("prompt", "response")
 class KLPart:
     """The KL over one kind of position (POSITION_KINDS)."""
 
-    mean: float  # nats per position over this kind's positions; NaN when there are none
+    mean: float | None  # nats per position over this kind's positions; None: there are none (not measured)
     positions: int
     per_context: list[float]  # each context's mean over its positions of this kind (NaN: it has none)
 
@@ -64,7 +63,7 @@ class KLResult:
         }
         if self.by_kind is not None:
             record["by_kind"] = {
-                k: {"mean": num(p.mean), "positions": p.positions, "per_context": [num(v) for v in p.per_context]}
+                k: {"mean": p.mean, "positions": p.positions, "per_context": [num(v) for v in p.per_context]}
                 for k, p in self.by_kind.items()
             }
         return record
@@ -278,7 +277,7 @@ class RetainedKL:
         per_context = sums / counts  # (C, 2); NaN where a context has no position of a kind (0 / 0)
         result.by_kind = {
             kind: KLPart(
-                mean=float(sums[:, k].sum() / counts[:, k].sum()) if counts[:, k].sum() > 0 else math.nan,
+                mean=float(sums[:, k].sum() / counts[:, k].sum()) if counts[:, k].sum() > 0 else None,
                 positions=int(counts[:, k].sum()),
                 per_context=per_context[:, k].tolist(),
             )

@@ -183,11 +183,8 @@ def measure_candidate(res: Resources, ctx: CycleContext, version) -> CandidateMe
     tails, moved = kl_tail.summarise(
         {a: {member: r.per_context for member, r in results.items()} for a, results in against.items()},
         lambda member: res.gate_texts(ctx, member),
-        by_kind={  # a kind with no positions (contexts cut before their answer by kl_max_tokens): not measured
-            a: {
-                member: {k: part.mean if part.positions else None for k, part in (r.by_kind or {}).items()}
-                for member, r in results.items()
-            }
+        by_kind={
+            a: {member: {k: part.mean for k, part in (r.by_kind or {}).items()} for member, r in results.items()}
             for a, results in against.items()
         },
     )

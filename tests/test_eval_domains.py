@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from atlas_core.io import sha256_file
 from atlas_core.paths import data_dir
 from atlas_core.typed_config import ConfigError
-from evaluation.contexts import pair_context, retained_contexts
+from evaluation.contexts import rendered_pairs, retained_contexts
 from evaluation.data import load_csqa, load_gsm8k, mbpp_pairs
 from evaluation.datafiles import known
 from evaluation.domains import (
@@ -109,7 +109,8 @@ def test_jsonl_domain_gates_on_its_first_rows_and_calibrates_on_the_rest(tok, tm
     gate, texts = domain_contexts(tok, spec, "gate")
     calibration, _ = domain_contexts(tok, domain, "calibration")
     assert gate == ["r0", "r1", "r2", "r3"] and calibration == [f"r{i}" for i in range(4, 10)]
-    assert texts[1] == pair_context(tok, "Question 1?", "Reply 1.") == "<s><|user|>Question 1?\n<|assistant|>Reply 1."
+    rendered = ["<s><|user|>Question 1?\n<|assistant|>Reply 1."]
+    assert [texts[1]] == rendered_pairs(tok, [("Question 1?", "Reply 1.")])[1] == rendered
     assert domain_contexts(tok, spec, "gate", limit=2)[0] == ["r0", "r1"]
     assert domain_contexts(tok, spec, "calibration", limit=2)[0] == ["r4", "r5"]
     assert domain_contexts(tok, spec, "gate", limit=99)[0] == gate  # never spills into calibration rows
