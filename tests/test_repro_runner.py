@@ -282,3 +282,55 @@ def test_atlas_refit_on_another_cpu_is_accepted_only_if_it_is_the_same_fit(tmp_p
     with pytest.raises(StaleResults, match="inertia"):
         store.record_atlas("c" * 64, {**meta, "inertia": 1000.1})
     assert json.loads((tmp_path / "experiment.json").read_text()) == stored  # refusals change nothing
+
+
+def _strip_split(results: Path, method: str, seed: int) -> dict:
+    """Rewrite a run's units as they were stored before the split (KL as one mean); returns the
+    split each one had, by step."""
+    before = {}
+    for path in sorted((results / "units" / method).glob(f"seed{seed}-*.json")):
+        unit = json.loads(path.read_text())
+        before[unit["step"]] = unit["kl"]
+        unit["kl"] = {k: unit["kl"][k] for k in ("mean", "positions", "contexts")}
+        path.write_text(json.dumps(unit))
+    return before
+
+
+def test_kl_split_replay_adds_the_split_of_the_scored_run(finished, tmp_path):
+    """A replay retrains the run and stores the split KL next to the stored mean: the same
+    checkpoints, so the same mean and the same split a run scored with the split has."""
+    from bench.repro.kl_split import KLReplay
+
+    root, _ = finished
+    results = tmp_path / "results"
+    shutil.copytree(root / "results", results)
+    before = _strip_split(results, "atlas", 0)
+    world = TinyWorld()
+    replay = KLReplay(repro_from_dict(CONFIG), results, tmp_path / "state", world)
+    assert replay.replay("atlas", 0) == 2
+    for step, original in before.items():
+        unit = json.loads((results / "units" / "atlas" / f"seed0-step{step:06d}.json").read_text())
+        split = unit["kl_split"]
+        assert "by_kind" not in unit["kl"] and unit["kl"]["mean"] == original["mean"]  # the stored is kept
+        assert split["mean"] == pytest.approx(original["mean"], rel=1e-6)
+        for kind in ("prompt", "response"):
+            assert split["by_kind"][kind]["mean"] == pytest.approx(original["by_kind"][kind]["mean"], rel=1e-6)
+        assert split["replay_val_loss"] == pytest.approx(unit["val_loss"], rel=1e-9)
+    assert replay.replay("atlas", 0) == 0  # resumable: nothing left to add
+    assert world.calls == Counter(workload=1)  # KL only: no MBPP+, no answers
+
+
+def test_kl_split_replay_of_another_run_is_refused(finished, tmp_path):
+    from bench.repro.kl_split import KLReplay, ReplayMismatch
+
+    root, _ = finished
+    results = tmp_path / "results"
+    shutil.copytree(root / "results", results)
+    _strip_split(results, "plain", 1)
+    path = results / "units" / "plain" / "seed1-step000002.json"
+    unit = json.loads(path.read_text())
+    unit["val_loss"] *= 1.01  # as if another training had been scored
+    path.write_text(json.dumps(unit))
+    with pytest.raises(ReplayMismatch, match="validation loss"):
+        KLReplay(repro_from_dict(CONFIG), results, tmp_path / "state", TinyWorld()).replay("plain", 1)
+    assert "kl_split" not in json.loads(path.read_text())
