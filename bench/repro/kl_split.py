@@ -91,7 +91,8 @@ class KLReplay(Runner):
             added += 1
             kinds = split.get("by_kind", {})
             _log(
-                f"  {method} seed {seed} step {state['step']}: KL {split['mean']:.4g} (stored {unit['kl']['mean']:.4g}); "
+                f"  {method} seed {seed} step {state['step']}: KL {split['mean']:.4g} "
+                f"(stored {unit['kl']['mean']:.4g}); "
                 + ", ".join(f"{k} {v['mean']:.4g}" for k, v in kinds.items() if v["mean"] is not None)
             )
 
