@@ -1,0 +1,155 @@
+"""The control table of issue 32: where the reproduction's KL gap comes from, from stored units only.
+
+    .venv/bin/python -m bench.repro.controls --docs docs/RESULTS.md
+
+Each row compares two runs, each named `<experiment>/<method>` (results/repro/<experiment>/), at
+held-out NLL levels both reach (evaluation.compare.shared_levels, `nll_levels` evenly spaced), over
+the seeds both have finished. At each level and seed a run is represented by its checkpoint of
+least retained KL among those reaching the level (as the main comparison); the row gives the
+geometric-mean ratio of their KL over all positions, and of the same two checkpoints' KL on prompt
+positions and on answer positions (the split stored when scored, or added by bench.repro.kl_split).
+The controls differ from the main experiment in one setting each (configs/repro/controls-*.yaml).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from atlas_core.paths import PROJECT_ROOT
+from evaluation.compare import Checkpoint, shared_levels
+
+from .report import update_docs
+from .store import ResultStore
+
+KINDS = ("prompt", "response")
+
+
+@dataclass(frozen=True)
+class Control:
+    question: str  # what the ratio attributes
+    first: str  # <experiment>/<method>
+    second: str
+    paper: float | None = None  # the paper's ratio for the same pair (Qwen3-8B), if it reports one
+
+
+MAIN = "smollm2-l15"
+MEAN, RESPONSE, CSQA = "smollm2-l15-mean", "smollm2-l15-response-atlas", "smollm2-l15-csqa-atlas"
+CONTROLS = [
+    # The paper's structural claims (38.4% centering, 4.6% and 13.0% full ATLAS), on the main experiment.
+    Control("centering", f"{MAIN}/centered", f"{MAIN}/plain", 1 - 0.384),
+    Control("full ATLAS vs centering", f"{MAIN}/atlas", f"{MAIN}/centered", 1 - 0.046),
+    Control("full ATLAS vs Weight-LoRA", f"{MAIN}/atlas", f"{MAIN}/weight-lora", 1 - 0.130),
+    Control("Weight-LoRA vs Plain (uncentered)", f"{MAIN}/weight-lora", f"{MAIN}/plain"),
+    # Common mode: one chart, so Centered is centered on the calibration mean.
+    Control("common mode: centered on the global mean vs Plain", f"{MEAN}/centered", f"{MAIN}/plain"),
+    Control("local centering: 32 chart means vs the global mean", f"{MAIN}/centered", f"{MEAN}/centered"),
+    Control("local geometry: 32 charts vs one (full ATLAS)", f"{MAIN}/atlas", f"{MEAN}/atlas"),
+    Control("one-chart ATLAS vs Weight-LoRA", f"{MEAN}/atlas", f"{MAIN}/weight-lora"),
+    # The shared prompt: an atlas without prompt positions.
+    Control("prompt states in the atlas: answer-only vs all (ATLAS)", f"{RESPONSE}/atlas", f"{MAIN}/atlas"),
+    Control("prompt states in the atlas: answer-only vs all (Centered)", f"{RESPONSE}/centered", f"{MAIN}/centered"),
+    # The retained domain: an atlas of another domain.
+    Control("retained domain: CSQA atlas vs GSM8K atlas (ATLAS)", f"{CSQA}/atlas", f"{MAIN}/atlas"),
+    Control("retained domain: CSQA atlas vs GSM8K atlas (Centered)", f"{CSQA}/centered", f"{MAIN}/centered"),
+]
+
+
+@dataclass(frozen=True)
+class Point:
+    seed: int
+    nll: float
+    kl: float
+    by_kind: dict[str, float] | None  # prompt / response means, when split
+
+
+def _split(unit: dict) -> dict[str, float] | None:
+    kinds = unit["kl"].get("by_kind") or unit.get("kl_split", {}).get("by_kind")
+    return None if kinds is None else {k: kinds[k]["mean"] for k in KINDS}
+
+
+def load_run(results: Path, run: str) -> list[Point] | None:
+    """The scored checkpoints of every finished seed of `<experiment>/<method>` (None: not run yet)."""
+    experiment, method = run.split("/")
+    root = results / experiment
+    if not (root / "experiment.json").is_file():
+        return None
+    stored = json.loads((root / "experiment.json").read_text())
+    store = ResultStore(root, stored["fingerprint"], stored.get("method_fingerprints", {}))
+    if method not in store.methods:
+        return None
+    seeds = [s for s in stored["config"]["seeds"] if store.read(store.run_path(method, s)) is not None]
+    units = [u for u in store.units([method]) if u["seed"] in seeds and u["kl"]["mean"] > 0]
+    return [Point(u["seed"], u["heldout_nll"], u["kl"]["mean"], _split(u)) for u in units] or None
+
+
+def _best(points: list[Point], seed: int, level: float) -> Point:
+    """The checkpoint of least KL among those of `seed` reaching NLL <= level."""
+    return min((p for p in points if p.seed == seed and p.nll <= level), key=lambda p: p.kl)
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def compare(a: list[Point], b: list[Point], n_levels: int) -> dict:
+    """Ratios a/b at shared NLL levels over shared seeds: all positions, and per kind where both are split."""
+    seeds = sorted({p.seed for p in a} & {p.seed for p in b})
+    if not seeds:
+        return {"seeds": []}
+    cps = [Checkpoint(name, p.seed, p.nll, p.kl) for name, ps in (("a", a), ("b", b)) for p in ps if p.seed in seeds]
+    levels = shared_levels(cps, "lower", n_levels)
+    pairs = [(_best(a, s, v), _best(b, s, v)) for s in seeds for v in levels]
+    out = {"seeds": seeds, "levels": levels, "all": _geomean([x.kl / y.kl for x, y in pairs])}
+    for kind in KINDS:
+        if all(x.by_kind and y.by_kind and x.by_kind[kind] and y.by_kind[kind] for x, y in pairs):
+            out[kind] = _geomean([x.by_kind[kind] / y.by_kind[kind] for x, y in pairs])
+    return out
+
+
+def control_table(results: Path, n_levels: int = 8) -> str:
+    lines = [
+        "| control | first / second | seeds | shared NLL levels | KL ratio | on prompt positions | "
+        "on answer positions | paper |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for c in CONTROLS:
+        a, b = load_run(results, c.first), load_run(results, c.second)
+        paper = "-" if c.paper is None else f"{c.paper:.3f}"
+        pair = f"`{c.first}` / `{c.second}`"
+        missing = [r for r, pts in ((c.first, a), (c.second, b)) if pts is None]
+        if missing:
+            lines.append(f"| {c.question} | {pair} | - | not run yet: {', '.join(missing)} | | | | {paper} |")
+            continue
+        r = compare(a, b, n_levels)
+        if not r["seeds"]:
+            lines.append(f"| {c.question} | {pair} | 0 | no finished seed in common | | | | {paper} |")
+            continue
+        fmt = lambda k: f"{r[k]:.3f}" if k in r else "not split"
+        span = f"{r['levels'][0]:.4f}-{r['levels'][-1]:.4f} ({len(r['levels'])})"
+        lines.append(
+            f"| {c.question} | {pair} | {','.join(map(str, r['seeds']))} | {span} | {r['all']:.3f} | "
+            f"{fmt('prompt')} | {fmt('response')} | {paper} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.repro.controls", description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=PROJECT_ROOT / "results" / "repro")
+    parser.add_argument("--levels", type=int, default=8, help="NLL levels per pair (the experiments' nll_levels)")
+    parser.add_argument("--docs", type=Path, default=None, help="also replace the controls section of this file")
+    args = parser.parse_args(argv)
+    text = control_table(args.results, args.levels)
+    if args.docs:
+        update_docs(args.docs, "controls", text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
