@@ -12,7 +12,17 @@ from atlas_core.train.retained_stats import collect_stats
 from tests.train_fixtures import CharTokenizer, retained_texts, toy_pairs
 
 LAYER = 1
-WEIGHT_METHODS = ("weight-lora", "lora-null", "lora-null-v2", "oplora", "o-lora", "corda-kpm", "clora", "toplora")
+WEIGHT_METHODS = (
+    "weight-lora",
+    "lora-null",
+    "lora-null-v2",
+    "oplora",
+    "o-lora",
+    "corda-kpm",
+    "clora",
+    "toplora",
+    "centered-lora",
+)
 
 
 def tiny(

@@ -20,6 +20,8 @@ EXPECTED = {  # file -> (lora.method, objective, what the file fixes)
     "corda-kpm": ("corda-kpm", "ce", {}),
     "clora": ("clora", "ce", {"lam": 1.0}),
     "toplora": ("toplora", "ce", {}),
+    "centered-lora": ("centered-lora", "ce", {}),
+    "o-lora-centered": ("o-lora", "ce", {"lam": 0.5, "past": "pca-centered"}),
     "stm": ("weight-lora", "stm", {}),
     "talr": ("weight-lora", "talr", {}),
 }

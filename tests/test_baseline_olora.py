@@ -68,3 +68,24 @@ def test_trainer_adds_the_penalty_once_per_step(tmp_path):
 def test_penalty_checks_shapes():
     with pytest.raises(ValueError, match="olora"):
         olora_penalty(torch.zeros(4, 8), torch.zeros(4, 9), 0.5)
+
+
+def test_centered_past_subspace_is_the_top_r_eigenvectors_of_the_centered_covariance():
+    """past: pca-centered (a control): the retained mean is taken out of C before its top-r directions."""
+    from dataclasses import replace
+
+    from atlas_core.train import build_adapter
+    from tests.baseline_fixtures import run_config
+
+    model = tiny()
+    stats = stats_for(model)
+    rc = run_config("o-lora", rank=4)
+    rc = replace(rc, lora=replace(rc.lora, o_lora=replace(rc.lora.o_lora, past="pca-centered")))
+    adapter = build_adapter(rc, model, stats=stats)
+    centered = stats.cov - stats.tokens * torch.outer(stats.mean, stats.mean)
+    top = torch.linalg.eigh(centered)[1][:, -4:].T.float()
+    P = adapter.A_past
+    torch.testing.assert_close(P.T @ P, top.T @ top, rtol=0, atol=1e-4)
+    uncentered = torch.linalg.eigh(stats.cov)[1][:, -4:].T.float()
+    assert (P.T @ P - uncentered.T @ uncentered).abs().max() > 1e-2  # not the uncentered subspace
+    adapter.remove()

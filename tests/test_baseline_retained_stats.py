@@ -34,6 +34,11 @@ def test_matrices_equal_a_hand_computation_on_unpadded_sequences():
     cov_corda = sum((x / x.max().abs()).T @ (x / x.max().abs()) for x in xs) / len(xs)  # PEFT's hook
     torch.testing.assert_close(stats.cov_corda, cov_corda, rtol=1e-5, atol=1e-6)  # fp32 forwards, padded vs not
     assert stats.tokens == len(X) and stats.sequences == 5
+    torch.testing.assert_close(stats.mean, X.mean(0), rtol=1e-5, atol=1e-6)  # padding excluded
+    Xc = X - X.mean(0)
+    torch.testing.assert_close(
+        stats.matrix("cov_centered", LAYER, stats.target, X.shape[1]), Xc.T @ Xc, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_stored_once_per_backbone_layer_and_data(tmp_path, monkeypatch):

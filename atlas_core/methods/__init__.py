@@ -58,6 +58,7 @@ BUILTIN = (
     "atlas_core.train.baselines.corda",  # corda-kpm
     "atlas_core.train.baselines.clora",  # clora
     "atlas_core.train.baselines.toplora",  # toplora (+ its frozen format)
+    "atlas_core.train.baselines.centered_lora",  # centered-lora, a control (+ its frozen format)
     "atlas_core.train.objectives",  # objectives ce, replay, output-kl
     "atlas_core.train.baselines.stm",  # objective stm
     "atlas_core.train.baselines.talr",  # objective talr

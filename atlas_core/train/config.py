@@ -191,13 +191,14 @@ class LoRAOptions:
     )
     method: str = _help(
         "A registered weight-adapter method (atlas_core.methods): weight-lora (plain LoRA), or a published "
-        "weight-adapter baseline: lora-null, oplora, o-lora, corda-kpm, clora, toplora (docs/BASELINES.md). "
+        "weight-adapter baseline: lora-null, oplora, o-lora, corda-kpm, clora, toplora (docs/BASELINES.md), or the "
+        "control centered-lora. "
         "rank is the budget rank r; lora-null v2 runs at 2r, toplora at round(2r/3).",
         WEIGHT_ADAPTER,
     )
     stats: str | None = _help(
-        "Retained statistics file (atlas_core.train.retained_stats) for lora-null, corda-kpm and "
-        "o-lora with past 'pca'; null: the caller passes them to build_adapter.",
+        "Retained statistics file (atlas_core.train.retained_stats) for lora-null, corda-kpm, centered-lora "
+        "and o-lora with past 'pca' or 'pca-centered'; null: the caller passes them to build_adapter.",
         None,
     )
     # The built-in baselines' options blocks (each declared by its method's module).

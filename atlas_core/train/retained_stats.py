@@ -4,13 +4,15 @@ Several weight-adapter baselines (spec BASELINES.md) steer their update away fro
 retained domains use, through the input covariance of the adapted projection:
 
     X_ret      (N, d_in)   o_proj inputs at layer l, every real token of the retained contexts
+    mu = 1/N sum_t x_t     (d_in,)                                        the centered LoRA's offset
     C = X_ret^T X_ret      (d_in, d_in)                                   O-LoRA's A_past
+    C_c = C - N mu mu^T    (d_in, d_in), the centered covariance          O-LoRA's, past: pca-centered
     C_max = sum_seq (X_seq / max|X_seq|)^T (X_seq / max|X_seq|)            LoRA-Null (its official code
                                                                           scales each sequence by 1 / max|x|)
     C_corda = 1/n_seq sum_seq (X_seq / |max X_seq|)^T (...)                PEFT's CorDA hook, exactly
                                                                           (its max is signed, then abs)
 
-All three come from one pass (a forward hook, padding masked out, float64 sums) and are
+All come from one pass (a forward hook, padding masked out, float64 sums) and are
 stored in one verified file (atlas_core.io) named by a content key: the backbone's name, the
 layer and module, the retained token ids, and a probe (sha256 of the o_proj inputs of the
 first context, so another backbone, dtype or parent chain never reuses a file). Computed
@@ -32,8 +34,9 @@ from ..io import IntegrityError, config_hash, expect_shape, load_verified, save_
 from ..paths import state_dir
 from .data import TokenizedSet
 
-STATS_FORMAT = 1
-KINDS = ("cov", "cov_max", "cov_corda")
+STATS_FORMAT = 2  # 2: the mean input (format-1 files have another content key, so they are never read)
+KINDS = ("cov", "cov_max", "cov_corda")  # stored; "cov_centered" is derived from cov and mean
+MATRICES = (*KINDS, "cov_centered")
 
 
 @dataclass
@@ -45,26 +48,40 @@ class RetainedStats:
     cov_corda: torch.Tensor  # (d_in, d_in) float64, PEFT CorDA's convention
     tokens: int
     sequences: int
+    mean: torch.Tensor  # (d_in,) float64, mu = the mean input over the tokens
     key: str = ""  # content key (file name) once stored
     sha256: str | None = None
 
     def matrix(self, kind: str, layer: int, target: str, d_in: int) -> torch.Tensor:
-        """One of KINDS, checked against the adapter that asks for it."""
-        if kind not in KINDS:
-            raise ValueError(f"stats: kind must be one of {KINDS}, got {kind!r}")
-        if (self.layer, self.target) != (layer, target):
-            raise ValueError(
-                f"stats: collected at layer {self.layer} {self.target}, the adapter is at layer {layer} {target}"
-            )
-        m = getattr(self, kind)
+        """One of MATRICES, checked against the adapter that asks for it."""
+        if kind not in MATRICES:
+            raise ValueError(f"stats: kind must be one of {MATRICES}, got {kind!r}")
+        self._check(layer, target)
+        if kind == "cov_centered":  # sum_t (x_t - mu)(x_t - mu)^T
+            m = self.cov - self.tokens * torch.outer(self.mean, self.mean)
+        else:
+            m = getattr(self, kind)
         if tuple(m.shape) != (d_in, d_in):
             raise ValueError(f"stats: {kind} is {tuple(m.shape)}, the adapted projection has d_in = {d_in}")
         return m
 
+    def input_mean(self, layer: int, target: str, d_in: int) -> torch.Tensor:
+        """mu (d_in,), checked against the adapter that asks for it."""
+        self._check(layer, target)
+        if tuple(self.mean.shape) != (d_in,):
+            raise ValueError(f"stats: the mean is {tuple(self.mean.shape)}, the adapted projection has d_in = {d_in}")
+        return self.mean
+
+    def _check(self, layer: int, target: str) -> None:
+        if (self.layer, self.target) != (layer, target):
+            raise ValueError(
+                f"stats: collected at layer {self.layer} {self.target}, the adapter is at layer {layer} {target}"
+            )
+
     def save(self, path: str | Path) -> dict:
         manifest = save_verified(
             path,
-            {k: getattr(self, k) for k in KINDS},
+            {**{k: getattr(self, k) for k in KINDS}, "mean": self.mean},
             {
                 "kind": "retained-stats",
                 "format": STATS_FORMAT,
@@ -85,12 +102,14 @@ class RetainedStats:
             d = tensors["cov"].shape[0]
             for k in KINDS:
                 expect_shape(k, tensors[k], (d, d), str(path))
+            expect_shape("mean", tensors["mean"], (d,), str(path))
             return cls(
                 m["layer"],
                 m["target"],
                 *(tensors[k] for k in KINDS),
                 m["tokens"],
                 m["sequences"],
+                tensors["mean"],
                 m["key"],
                 m["sha256"],
             )
@@ -143,6 +162,7 @@ def collect_stats(
     device = module.weight.device
     d_in = module.in_features
     sums = {k: torch.zeros(d_in, d_in, dtype=torch.float64, device=device) for k in KINDS}
+    total = torch.zeros(d_in, dtype=torch.float64, device=device)
     tokens = 0
     for start in range(0, len(seqs), batch_size):
         chunk = seqs[start : start + batch_size]
@@ -153,13 +173,14 @@ def collect_stats(
         max_abs = x.abs().amax(dim=(1, 2))  # (B,) per sequence
         signed = torch.where(mask[..., None].bool(), x, torch.full_like(x, -torch.inf)).amax(dim=(1, 2)).abs()  # (B,)
         sums["cov"] += torch.einsum("btd,bte->de", x, x)
+        total += x.sum(dim=(0, 1))  # padding is zero
         xm = x / max_abs.clamp_min(1e-30)[:, None, None]
         sums["cov_max"] += torch.einsum("btd,bte->de", xm, xm)
         xc = x / signed.clamp_min(1e-30)[:, None, None]
         sums["cov_corda"] += torch.einsum("btd,bte->de", xc, xc)
         tokens += int(lengths.sum())
     sums["cov_corda"] /= len(seqs)  # PEFT divides by its sample count (one sequence per forward)
-    return RetainedStats(layer, target, *(sums[k].cpu() for k in KINDS), tokens, len(seqs))
+    return RetainedStats(layer, target, *(sums[k].cpu() for k in KINDS), tokens, len(seqs), (total / tokens).cpu())
 
 
 def stats_key(model: nn.Module, layer: int, data, target: str = "self_attn.o_proj", backbone: str = "") -> str:

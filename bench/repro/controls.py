@@ -39,6 +39,7 @@ class Control:
 
 MAIN = "smollm2-l15"
 MEAN, RESPONSE, CSQA = "smollm2-l15-mean", "smollm2-l15-response-atlas", "smollm2-l15-csqa-atlas"
+COMMON = "smollm2-l15-common-mode"
 CONTROLS = [
     # The paper's structural claims (38.4% centering, 4.6% and 13.0% full ATLAS), on the main experiment.
     Control("centering", f"{MAIN}/centered", f"{MAIN}/plain", 1 - 0.384),
@@ -50,6 +51,10 @@ CONTROLS = [
     Control("local centering: 32 chart means vs the global mean", f"{MAIN}/centered", f"{MEAN}/centered"),
     Control("local geometry: 32 charts vs one (full ATLAS)", f"{MAIN}/atlas", f"{MEAN}/atlas"),
     Control("one-chart ATLAS vs Weight-LoRA", f"{MEAN}/atlas", f"{MAIN}/weight-lora"),
+    Control(
+        "common mode, weight adapter: LoRA on x - mu vs Weight-LoRA", f"{COMMON}/centered-lora", f"{MAIN}/weight-lora"
+    ),
+    Control("common mode, O-LoRA: centered vs uncentered covariance", f"{COMMON}/o-lora-centered", f"{MAIN}/o-lora"),
     # The shared prompt: an atlas without prompt positions.
     Control("prompt states in the atlas: answer-only vs all (ATLAS)", f"{RESPONSE}/atlas", f"{MAIN}/atlas"),
     Control("prompt states in the atlas: answer-only vs all (Centered)", f"{RESPONSE}/centered", f"{MAIN}/centered"),

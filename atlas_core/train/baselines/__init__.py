@@ -7,6 +7,7 @@ layer l's o_proj, and the objective baselines STM and TALR (paired with any adap
     corda.py      CorDA-KPM             PEFT's CorDA, knowledge-preserved mode
     clora.py      CLoRA                 L2 penalty in fixed random orthonormal subspaces
     toplora.py    TopLoRA               token-wise gate between A and B (+ its frozen form)
+    centered_lora.py  centered LoRA     a control: LoRA on the mean-subtracted input (+ its frozen form)
     stm.py        STM                   f0's hard response tokens dropped from the loss
     talr.py       TALR                  response tokens reweighted by the current model's NLL
 

@@ -7,6 +7,8 @@ lambda1 = 0.5, no L2 term (the paper's lambda2 = 0), A_past frozen. In a continu
 A_past is the earlier releases' A matrices (`past: files`, their lora_A rows stacked). For a
 single update (choice, default `past: pca`): the top-r eigenvectors of the retained input
 covariance C = X_ret^T X_ret, as rows, i.e. the directions the retained domains use most.
+`past: pca-centered` (a control, issue 32): the same from the centered covariance C - N mu mu^T,
+so the retained mean direction, which dominates C, is not what A is pushed away from.
 The rest is plain LoRA (PEFT), saved as plain factors.
 """
 
@@ -24,7 +26,7 @@ from ...typed_config import ConfigError, field
 from ..lora import WeightLoRA
 from ..retained_stats import RetainedStats
 
-PAST = ("pca", "files")
+PAST = ("pca", "pca-centered", "files")
 
 
 @dataclass
@@ -32,7 +34,8 @@ class OLoRAOptions:
     lambda1: float = field("Weight of sum |A_past A^T| (the paper: 0.5).", 0.5)
     past: str = field(
         "The frozen past subspace: 'pca' = top-r eigenvectors of the retained input covariance "
-        "(choice, one update); 'files' = the lora_A of earlier adapters (past_files).",
+        "(choice, one update); 'pca-centered' = the same of the centered covariance (a control); "
+        "'files' = the lora_A of earlier adapters (past_files).",
         "pca",
     )
     past_files: list[str] = field("Weight-adapter files whose lora_A rows form A_past (past: files).", factory=list)
@@ -76,8 +79,8 @@ class OLoRA(WeightLoRA):
     ):
         if past not in PAST:
             raise ValueError(f"o_lora.past: expected one of {PAST}, got {past!r}")
-        if past == "pca" and stats is None:
-            raise ValueError("o_lora.past 'pca' needs the retained statistics (stats=)")
+        if past != "files" and stats is None:
+            raise ValueError(f"o_lora.past {past!r} needs the retained statistics (stats=)")
         if past == "files" and not past_files:
             raise ValueError("o_lora.past 'files' needs past_files: earlier adapters' files")
         self.lam, self.past, self.stats, self.past_files = float(lam), past, stats, list(past_files)
@@ -86,8 +89,9 @@ class OLoRA(WeightLoRA):
 
     def _setup(self) -> None:
         d_in = self.lora_A.shape[1]
-        if self.past == "pca":
-            _, vecs = torch.linalg.eigh(self.stats.matrix("cov", self.layer, self.target, d_in))  # ascending
+        if self.past != "files":
+            kind = "cov" if self.past == "pca" else "cov_centered"
+            _, vecs = torch.linalg.eigh(self.stats.matrix(kind, self.layer, self.target, d_in))  # ascending
             self.A_past = vecs[:, -self.rank :].T.flip(0).float().contiguous()  # (r, d_in): top-r, largest first
         else:
             self.A_past = torch.cat(
@@ -121,7 +125,7 @@ class OLoRAMethod(WeightMethod):
     options_cls, options_block = OLoRAOptions, "o_lora"
 
     def stats_needed(self, lora) -> bool:
-        return lora.o_lora.past == "pca"
+        return lora.o_lora.past != "files"
 
     def adapter_kwargs(self, run_config, stats) -> dict:
         o = run_config.lora.o_lora
