@@ -32,3 +32,9 @@ def test_kinds_only_where_both_runs_are_split_and_no_shared_seed():
     r = compare(_run(0, 0.1), _run(0, 1.0, split=False), 3)
     assert "all" in r and "prompt" not in r and "response" not in r
     assert compare(_run(0, 0.1), _run(1, 1.0), 3) == {"seeds": []}
+
+
+def test_kinds_over_the_split_seeds_only():
+    r = compare(_run(0, 0.1) + _run(1, 0.2, split=False), _run(0, 1.0) + _run(1, 1.0), 3)
+    assert r["all"] == pytest.approx((0.1 * 0.2) ** 0.5)  # both seeds
+    assert r["prompt"] == pytest.approx(0.1) and r["prompt_seeds"] == [0]  # seed 1 is not split

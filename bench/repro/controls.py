@@ -7,7 +7,8 @@ held-out NLL levels both reach (evaluation.compare.shared_levels, `nll_levels` e
 the seeds both have finished. At each level and seed a run is represented by its checkpoint of
 least retained KL among those reaching the level (as the main comparison); the row gives the
 geometric-mean ratio of their KL over all positions, and of the same two checkpoints' KL on prompt
-positions and on answer positions (the split stored when scored, or added by bench.repro.kl_split).
+positions and on answer positions (the split stored when scored, or added by bench.repro.kl_split), over the seeds whose
+checkpoints are split on both sides (named in the cell when fewer than the row's).
 The controls differ from the main experiment in one setting each (configs/repro/controls-*.yaml).
 """
 
@@ -108,11 +109,17 @@ def compare(a: list[Point], b: list[Point], n_levels: int) -> dict:
         return {"seeds": []}
     cps = [Checkpoint(name, p.seed, p.nll, p.kl) for name, ps in (("a", a), ("b", b)) for p in ps if p.seed in seeds]
     levels = shared_levels(cps, "lower", n_levels)
-    pairs = [(_best(a, s, v), _best(b, s, v)) for s in seeds for v in levels]
-    out = {"seeds": seeds, "levels": levels, "all": _geomean([x.kl / y.kl for x, y in pairs])}
-    for kind in KINDS:
-        if all(x.by_kind and y.by_kind and x.by_kind[kind] and y.by_kind[kind] for x, y in pairs):
-            out[kind] = _geomean([x.by_kind[kind] / y.by_kind[kind] for x, y in pairs])
+    pairs = {s: [(_best(a, s, v), _best(b, s, v)) for v in levels] for s in seeds}
+    out = {"seeds": seeds, "levels": levels, "all": _geomean([x.kl / y.kl for s in seeds for x, y in pairs[s]])}
+    for kind in KINDS:  # over the seeds whose checkpoints at every level are split on both sides
+        split = [
+            s
+            for s in seeds
+            if all(x.by_kind and y.by_kind and x.by_kind[kind] and y.by_kind[kind] for x, y in pairs[s])
+        ]
+        if split:
+            out[kind] = _geomean([x.by_kind[kind] / y.by_kind[kind] for s in split for x, y in pairs[s]])
+            out[f"{kind}_seeds"] = split
     return out
 
 
@@ -134,7 +141,13 @@ def control_table(results: Path, n_levels: int = 8) -> str:
         if not r["seeds"]:
             lines.append(f"| {c.question} | {pair} | 0 | no finished seed in common | | | | {paper} |")
             continue
-        fmt = lambda k: f"{r[k]:.3f}" if k in r else "not split"
+
+        def fmt(kind: str) -> str:
+            if kind not in r:
+                return "not split"
+            seeds = r[f"{kind}_seeds"]
+            return f"{r[kind]:.3f}" + ("" if seeds == r["seeds"] else f" (seed {','.join(map(str, seeds))})")
+
         span = f"{r['levels'][0]:.4f}-{r['levels'][-1]:.4f} ({len(r['levels'])})"
         lines.append(
             f"| {c.question} | {pair} | {','.join(map(str, r['seeds']))} | {span} | {r['all']:.3f} | "
