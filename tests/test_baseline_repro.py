@@ -50,5 +50,6 @@ def test_baselines_run_in_the_reproduction(tmp_path, monkeypatch):
         kl = json.loads(units[-1].read_text())["kl"]["mean"]
         # a random f0 finds every response token hard (NLL > ln 2.5): STM drops them all and stays put
         assert kl > 0 if method != "stm" else kl == 0
-    assert len(list((tmp_path / "atlas-state" / "stm-masks").glob("*.safetensors"))) == 1
+    # one mask per set, computed once for the sweep's rates and the run: training and validation (its own loss)
+    assert len(list((tmp_path / "atlas-state" / "stm-masks").glob("*.safetensors"))) == 2
     assert len(list((tmp_path / "state" / "retained-stats").glob("*.safetensors"))) == 1  # once, shared

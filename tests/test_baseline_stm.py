@@ -108,3 +108,38 @@ def test_apply_drop_refuses_a_mask_of_another_shape(setup):
     b = collate(data.train, [0, 1], data.pad_id)
     with pytest.raises(ValueError, match="stm"):
         stm.apply_drop(b, [torch.zeros(1, dtype=torch.bool)] * len(data.train))
+
+
+def test_own_validation_loss_is_ce_over_the_kept_validation_tokens(tmp_path, monkeypatch):
+    """STM's own validation loss drops the validation tokens f0 finds hard (the rule of its training
+    set); the CE validation loss keeps them all. At lr ~ 0 the model is f0 at every checkpoint."""
+    monkeypatch.setenv("ATLAS_STATE_DIR", str(tmp_path / "state"))
+    model = peaky_model()
+    config = TrainConfig(lr=1e-9, epochs=1, batch_size=8, progress=False, objective=ObjectiveConfig(kind="stm"))
+    pairs = toy_pairs(8)
+    data = prepare_data(CharTokenizer(), pairs, config, val=pairs[2:7])  # seen in training: f0's mask all the same
+    lora = WeightLoRA(model, layer=1, rank=4)
+    nll = hand_nll(model, data.val)
+    kept = torch.cat([x[x <= math.log(2.5)] for x in nll])
+    assert 0 < len(kept) < sum(len(x) for x in nll)  # the rule drops some validation tokens, not all
+    summary = train(model, lora, data, config, tmp_path / "run")
+    state = json.loads(open(summary.checkpoints[-1] + "/state.json").read())
+    (own,) = state["val_objective"].values()
+    (ce,) = state["val_losses"].values()
+    assert abs(own - float(kept.mean())) < 1e-4
+    assert abs(ce - float(torch.cat(nll).mean())) < 1e-4 and abs(own - ce) > 1e-2
+    assert summary.best_val_objective == own and "own objective" in summary.format()
+    lora.remove()
+
+
+def test_no_own_validation_loss_when_the_rule_drops_every_validation_token(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATLAS_STATE_DIR", str(tmp_path / "state"))
+    model = tiny()  # a random f0 finds every response token hard (NLL > ln 2.5): STM drops them all
+    config = TrainConfig(lr=1e-9, epochs=1, batch_size=8, progress=False, objective=ObjectiveConfig(kind="stm"))
+    pairs = toy_pairs(8)
+    lora = WeightLoRA(model, layer=1, rank=4)
+    data = prepare_data(CharTokenizer(), pairs, config, val=pairs[2:7])
+    summary = train(model, lora, data, config, tmp_path / "all-dropped")
+    assert "val_objective" not in json.loads(open(summary.checkpoints[-1] + "/state.json").read())
+    assert summary.best_val_objective is None and summary.best_val_loss is not None
+    lora.remove()

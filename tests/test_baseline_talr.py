@@ -76,3 +76,33 @@ def _selected(model, batch):
     logits = model(input_ids=batch.ids, attention_mask=batch.mask).logits.float()
     sel = batch.targets != -100
     return logits[sel], batch.targets[sel]
+
+
+def test_own_validation_loss_is_the_weighted_sum_over_validation_batches(tmp_path):
+    """TALR's own validation loss: sum_t w_t l_t / N over the validation set in the CE validation
+    loss's batches (longest first, `cache_batch_size` a batch); a CE run records none."""
+    model = tiny()
+    config = TrainConfig(
+        lr=1e-9, epochs=1, batch_size=8, cache_batch_size=4, progress=False, objective=ObjectiveConfig(kind="talr")
+    )
+    pairs = toy_pairs(18)
+    data = prepare_data(CharTokenizer(), pairs[:8], config, val=pairs[8:])
+    lora = WeightLoRA(model, layer=1, rank=4)
+    order = torch.sort(data.val.lengths, descending=True, stable=True).indices.tolist()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(order), 4):
+            batch = collate(data.val, order[start : start + 4], data.pad_id)
+            logits, targets = _selected(model, batch)
+            nll = F.cross_entropy(logits, targets, reduction="none")
+            total += float((talr_weights(nll, (batch.targets != -100).nonzero()[:, 0]) * nll).sum())
+            count += len(nll)
+    summary = train(model, lora, data, config, tmp_path / "talr")
+    state = json.loads(open(summary.checkpoints[-1] + "/state.json").read())
+    (own,) = state["val_objective"].values()
+    (ce,) = state["val_losses"].values()
+    assert abs(own - total / count) < 1e-4 and abs(own - ce) > 1e-3
+    plain = train(model, lora, data, TrainConfig(lr=1e-9, epochs=1, batch_size=8, progress=False), tmp_path / "ce")
+    assert "val_objective" not in json.loads(open(plain.checkpoints[-1] + "/state.json").read())
+    assert plain.best_val_objective is None
+    lora.remove()

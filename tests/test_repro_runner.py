@@ -334,3 +334,31 @@ def test_kl_split_replay_of_another_run_is_refused(finished, tmp_path):
     with pytest.raises(ReplayMismatch, match="validation loss"):
         KLReplay(repro_from_dict(CONFIG), results, tmp_path / "state", TinyWorld()).replay("plain", 1)
     assert "kl_split" not in json.loads(path.read_text())
+
+
+def test_rates_chosen_by_the_objective_s_own_validation_loss_are_recorded_with_both(tmp_path):
+    """lr_select: objective: TALR's sweep runs store its own validation losses next to CE's, its rate
+    record names both choices and the scored run trains at the own-objective one; a CE method's
+    record is as under lr_select: ce."""
+    config = repro_from_dict(
+        {
+            **CONFIG,
+            "methods": {"plain": "configs/train/plain.yaml", "talr": "configs/train/talr.yaml"},
+            "reference": "plain",
+            "seeds": [0],
+            "epochs": 1,
+            "lr_select": "objective",
+        }
+    )
+    assert Runner(config, tmp_path / "results", tmp_path / "state", TinyWorld(), Budget(None)).run()
+    store = ResultStore.of(config, tmp_path / "results")
+    rate = store.read(store.lr_path("talr"))
+    assert rate["select"] == "objective" and set(rate["chosen"]) == {"ce", "objective"}
+    own = {float(k): v for k, v in rate["val_objective"].items()}
+    assert rate["best_lr"] == rate["chosen"]["objective"] == min(own, key=own.get)
+    for lr in CONFIG["lr_grid"]:
+        sweep = store.read(store.sweep_path("talr", lr))
+        assert sweep["best_val_objective"] == min(sweep["val_objective"].values()) == own[lr]
+    assert store.read(store.run_path("talr", 0))["lr"] == rate["best_lr"]
+    plain = store.read(store.lr_path("plain"))
+    assert "chosen" not in plain and "val_objective" not in store.read(store.sweep_path("plain", 3e-3))

@@ -173,3 +173,18 @@ def test_committed_results_are_valid_for_the_committed_configs(name, tmp_path):
     store.check_experiment(config.to_dict())
     files = [p for p in (tmp_path / "results").rglob("*.json") if p.name != "experiment.json"]
     assert files and all(store.read(p) is not None for p in files)
+
+
+def test_choosing_rates_by_the_own_objective_is_a_shared_setting(tmp_path):
+    """lr_select: 'ce' (the default) leaves the fingerprint of an experiment written before the field;
+    'objective' picks other rates, so it is another experiment; anything else is refused by name."""
+    from atlas_core.typed_config import ConfigError
+    from bench.repro.config import experiment_fingerprint
+
+    ce = _config(tmp_path)
+    assert "lr_select" not in ce.to_dict() and _config(tmp_path, lr_select="ce").fingerprint() == ce.fingerprint()
+    assert experiment_fingerprint(ce.to_dict()) == ce.fingerprint()  # a stored config without the field
+    own = _config(tmp_path, lr_select="objective")
+    assert own.to_dict()["lr_select"] == "objective" and own.fingerprint() != ce.fingerprint()
+    with pytest.raises(ConfigError, match=r"lr_select: expected one of \['ce', 'objective'\], got 'loss'"):
+        _config(tmp_path, lr_select="loss")

@@ -51,15 +51,28 @@ def ce_sum(model: nn.Module, adapter, batch: Batch, cache: PrefixCache | None) -
 
 @torch.no_grad()
 def mean_loss(
-    model: nn.Module, adapter, data: TokenizedSet, cache: PrefixCache | None, pad_id: int, batch_size: int = 16
+    model: nn.Module,
+    adapter,
+    data: TokenizedSet,
+    cache: PrefixCache | None,
+    pad_id: int,
+    batch_size: int = 16,
+    target_batch: Callable[[Batch], Batch] | None = None,
+    loss_sum: Callable[..., torch.Tensor] = ce_sum,
 ) -> float:
-    """Mean token cross-entropy over a whole set (validation loss), longest examples first."""
+    """Mean per-token loss over a whole set, longest examples first: token cross-entropy (the
+    validation loss), or an objective's own (`target_batch` drops positions, `loss_sum` weighs them:
+    Objective.validation_loss)."""
     order = torch.sort(data.lengths, descending=True, stable=True).indices.tolist()
     total, count = 0.0, 0
     for start in range(0, len(order), batch_size):
         batch = collate(data, order[start : start + batch_size], pad_id)
-        total += float(ce_sum(model, adapter, batch, cache))
+        if target_batch is not None:
+            batch = target_batch(batch)
+        total += float(loss_sum(model, adapter, batch, cache))
         count += batch.num_targets
+    if count == 0:
+        raise ValueError(f"{data.name}: no supervised position left to average the loss over")
     return total / count
 
 
@@ -91,6 +104,12 @@ class Objective:
     def setup(self, run: Run) -> dict:
         """Once before the first step (also on resume); returns TrainSummary fields to set."""
         return {}
+
+    def validation_loss(self, run: Run) -> float | None:
+        """The target term's own loss per supervised token on the validation set, where it is not
+        token CE (STM drops tokens, TALR weighs them); the trainer records it next to the CE
+        validation loss and a learning-rate sweep may choose by it. None: the target term is CE."""
+        return None
 
     def target_batch(self, batch: Batch) -> Batch:
         """The target micro-batch as the loss sees it."""

@@ -25,6 +25,7 @@ class TrainSummary:
     budget: dict | None = None  # method, rank, budget_rank, trainable, budget (the adapter's `budget()`)
     stm: dict | None = None  # set by the STM objective: its mask's key, tau, dropped, tokens, path
     notes: list[str] = field(default_factory=list)  # lines an objective adds to `format()`
+    best_val_objective: float | None = None  # least validation loss under the run's own objective (STM, TALR)
 
     @property
     def tokens_per_s(self) -> float:
@@ -37,7 +38,8 @@ class TrainSummary:
             f"  steps {self.steps}, epochs {self.epochs}, tokens {self.tokens:,}, time {self.seconds:.1f} s "
             f"({self.tokens_per_s:,.0f} tokens/s)",
             f"  final train loss {val(self.final_train_loss)}, final val loss {val(self.final_val_loss)}, "
-            f"best val loss {val(self.best_val_loss)}",
+            f"best val loss {val(self.best_val_loss)}"
+            + ("" if self.best_val_objective is None else f" (own objective {val(self.best_val_objective)})"),
             "  prefix cache: "
             + (f"layer {self.prefix_cache_layer}" if self.prefix_cache_layer is not None else "off")
             + (f", resumed from {self.resumed_from}" if self.resumed_from else ""),
@@ -75,4 +77,5 @@ def summarize(run_dir, state: dict, data, layer, resumed_from) -> TrainSummary:
         prefix_cache_layer=layer,
         issues=issues,
         resumed_from=resumed_from,
+        best_val_objective=min(state.get("val_objective", {}).values(), default=None),
     )

@@ -178,6 +178,8 @@ def train(
             state["val_losses"][str(state["step"])] = mean_loss(
                 model, adapter, data.val, caches.get("val"), data.pad_id, config.cache_batch_size
             )
+            if (own := objective.validation_loss(run)) is not None:  # STM, TALR: their own loss too
+                state.setdefault("val_objective", {})[str(state["step"])] = own
         state["finished"] = state["step"] == total_steps
         name = str(checkpoint_dir(run_dir) / f"step-{state['step']:06d}")
         if name not in state["checkpoints"]:  # listed in its own state.json too

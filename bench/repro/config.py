@@ -4,7 +4,7 @@
       name, backbone, dtype, layer, rank        where results go and what is adapted
       methods: [MethodSpec]                     label + training config from configs/train/
       seeds, epochs, checkpoints_per_epoch      the training protocol
-      lr_grid                                   learning rates tried per method (validation loss picks one)
+      lr_grid, lr_select                        learning rates tried per method; which validation loss picks one
       reference, extra_pairs                    which methods the report compares
       atlas: AtlasSpec                          how the retained atlas is fitted (once per experiment)
       eval: EvalSpec                            the fixed subsets every checkpoint is scored on
@@ -25,6 +25,7 @@ import yaml
 
 from atlas_core.paths import PROJECT_ROOT
 from atlas_core.train.config import RunConfig, load_run_config
+from atlas_core.train.sweep import SELECT
 from atlas_core.typed_config import ConfigError, build
 
 # Explicit only: results depend on the dtype, and 'auto' (atlas_core.backbone) differs between machines.
@@ -132,6 +133,9 @@ class ReproConfig:
     rank: int = 16
     epochs: int = 5
     checkpoints_per_epoch: int = 1
+    # "ce": token CE validation loss picks every method's rate; "objective": STM and TALR by their own
+    # objective's validation loss (atlas_core.train.sweep), the others by CE as before.
+    lr_select: str = "ce"
     reference: str = "atlas"  # the method compared against every other one
     extra_pairs: list[str] = field(default_factory=list)  # further "method:baseline" comparisons
     atlas: AtlasSpec = field(default_factory=AtlasSpec)
@@ -160,6 +164,8 @@ class ReproConfig:
             raise ConfigError(f"seeds: expected distinct integers, got {self.seeds}")
         if not self.lr_grid or any(not lr > 0 for lr in self.lr_grid):
             raise ConfigError(f"lr_grid: expected positive learning rates, got {self.lr_grid}")
+        if self.lr_select not in SELECT:
+            raise ConfigError(f"lr_select: expected one of {list(SELECT)}, got {self.lr_select!r}")
 
     def method(self, name: str) -> MethodSpec:
         return next(m for m in self.methods if m.name == name)
@@ -175,7 +181,11 @@ class ReproConfig:
         return replace(base, backbone=self.backbone, layer=self.layer, rank=self.rank, train=train)
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"atlas": self.atlas.to_dict()}
+        """`lr_select` only when not 'ce' (as atlas.positions), so earlier experiments keep their fingerprints."""
+        d = asdict(self) | {"atlas": self.atlas.to_dict()}
+        if d["lr_select"] == "ce":
+            del d["lr_select"]
+        return d
 
     def fingerprint(self) -> str:
         """The experiment fingerprint: sha256 of the settings shared by every method (SHARED).
@@ -191,7 +201,18 @@ class ReproConfig:
 
 # What changes what any unit computes. Not: the methods and seeds (both may grow), reference and
 # extra_pairs (what the report compares), name (the folder).
-SHARED = ("backbone", "dtype", "layer", "rank", "epochs", "checkpoints_per_epoch", "lr_grid", "atlas", "eval")
+SHARED = (
+    "backbone",
+    "dtype",
+    "layer",
+    "rank",
+    "epochs",
+    "checkpoints_per_epoch",
+    "lr_grid",
+    "lr_select",
+    "atlas",
+    "eval",
+)
 # Set per run from the experiment (ReproConfig.run_config, the runner), so not a method's identity.
 OVERRIDDEN = ("backbone", "layer", "rank", "atlas")
 OVERRIDDEN_TRAIN = ("epochs", "seed", "lr", "progress", "checkpoint_every_steps")
@@ -203,7 +224,7 @@ def _sha256(payload) -> str:
 
 def experiment_fingerprint(config: dict) -> str:
     """sha256 of the SHARED fields of a config dict (ReproConfig.to_dict, or as stored in experiment.json)."""
-    return _sha256({k: config[k] for k in SHARED})
+    return _sha256({k: config[k] for k in SHARED if k in config})  # optional ones absent at their default
 
 
 def method_identity(path: str | Path) -> dict:
@@ -278,6 +299,7 @@ def repro_from_dict(data) -> ReproConfig:
     scalars = {
         "name": str,
         "backbone": str,
+        "lr_select": str,
         "dtype": str,
         "reference": str,
         "layer": int,

@@ -40,7 +40,7 @@ class Control:
 
 MAIN = "smollm2-l15"
 MEAN, RESPONSE, CSQA = "smollm2-l15-mean", "smollm2-l15-response-atlas", "smollm2-l15-csqa-atlas"
-COMMON = "smollm2-l15-common-mode"
+COMMON, OWN = "smollm2-l15-common-mode", "smollm2-l15-own-objective"
 CONTROLS = [
     # The paper's structural claims (38.4% centering, 4.6% and 13.0% full ATLAS), on the main experiment.
     Control("centering", f"{MAIN}/centered", f"{MAIN}/plain", 1 - 0.384),
@@ -62,6 +62,11 @@ CONTROLS = [
     # The retained domain: an atlas of another domain.
     Control("retained domain: CSQA atlas vs GSM8K atlas (ATLAS)", f"{CSQA}/atlas", f"{MAIN}/atlas"),
     Control("retained domain: CSQA atlas vs GSM8K atlas (Centered)", f"{CSQA}/centered", f"{MAIN}/centered"),
+    # STM and TALR at the rate their own objective's validation loss picks (by CE they never learned).
+    Control("STM: rate by its own objective vs by CE", f"{OWN}/stm", f"{MAIN}/stm"),
+    Control("TALR: rate by its own objective vs by CE", f"{OWN}/talr", f"{MAIN}/talr"),
+    Control("full ATLAS vs STM at its own objective's rate", f"{MAIN}/atlas", f"{OWN}/stm"),
+    Control("full ATLAS vs TALR at its own objective's rate", f"{MAIN}/atlas", f"{OWN}/talr"),
 ]
 
 

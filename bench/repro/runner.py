@@ -322,6 +322,7 @@ class Runner:
                     record = {
                         "val_losses": _val_losses(summary.checkpoints),
                         "best_val_loss": summary.best_val_loss,
+                        **_own_objective(summary),
                         "diverged": False,
                         "train_seconds": round(summary.seconds, 1),
                     }
@@ -358,11 +359,13 @@ class Runner:
                 rc.train,
                 self.config.lr_grid,
                 self._run_dir(method, seed),
+                select=self.config.lr_select,
             )
         finally:
             if made and isinstance(made[-1], WeightLoRA):
                 made[-1].remove()
-        _log(f"{method}: learning rate {result.best_lr:g} (validation loss {result.val_loss})")
+        own = "" if result.val_objective is None else f", own objective {result.val_objective}"
+        _log(f"{method}: learning rate {result.best_lr:g} (validation loss {result.val_loss}{own})")
         self.store.write(self.store.lr_path(method), {"kind": "lr", "method": method, **result.to_dict()})
 
     def run_one(self, method: str, seed: int, lr: float) -> None:
@@ -446,6 +449,14 @@ class _Clock:
 
 def _val_losses(checkpoints: list[str]) -> dict:
     return read_state(checkpoints[-1])["val_losses"] if checkpoints else {}
+
+
+def _own_objective(summary) -> dict:
+    """STM's and TALR's validation losses under their own objective, next to the CE ones."""
+    if summary.best_val_objective is None:
+        return {}
+    state = read_state(summary.checkpoints[-1])
+    return {"val_objective": state["val_objective"], "best_val_objective": summary.best_val_objective}
 
 
 def _answers(answers) -> list[dict]:

@@ -24,7 +24,7 @@ from ...io import IntegrityError, config_hash, load_verified, save_verified
 from ...methods import register_objective
 from ...paths import state_dir
 from ..data import Batch, TokenizedSet, collate
-from ..objectives import Objective, Run, selected_logits
+from ..objectives import Objective, Run, mean_loss, selected_logits
 
 STM_FORMAT = 1
 
@@ -111,10 +111,30 @@ class STM(Objective):
         note = (
             f"STM: {info['dropped']:,} of {info['tokens']:,} response tokens dropped (f0 perplexity > {info['tau']:g})"
         )
+        self.val_drop = None  # the same rule on the validation set: STM's own validation loss
+        if run.data.val is not None:
+            self.val_drop, _ = stm_mask(
+                run.model, run.adapter, run.data.val, run.cache("val"), run.data.pad_id, tau, batch_size
+            )
         return {"stm": info, "notes": [note]}
 
     def target_batch(self, batch: Batch) -> Batch:
         return apply_drop(batch, self.drop)
+
+    def validation_loss(self, run: Run) -> float | None:
+        """CE over the validation tokens f0 does not find hard (the tokens STM would train on); None
+        when the rule drops them all (no own loss to record)."""
+        if self.val_drop is None or all(bool(d.all()) for d in self.val_drop):
+            return None
+        return mean_loss(
+            run.model,
+            run.adapter,
+            run.data.val,
+            run.cache("val"),
+            run.data.pad_id,
+            run.config.cache_batch_size,
+            target_batch=lambda batch: apply_drop(batch, self.val_drop),
+        )
 
 
 register_objective(STM)

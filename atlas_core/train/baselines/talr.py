@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ...methods import register_objective
 from ..data import Batch
-from ..objectives import Objective, Run, selected_logits
+from ..objectives import Objective, Run, mean_loss, selected_logits
 
 
 def talr_weights(nll: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -50,6 +50,13 @@ class TALR(Objective):
 
     def target_sum(self, run: Run, batch: Batch) -> torch.Tensor:
         return talr_sum(run.model, run.adapter, batch, run.cache("train"))
+
+    def validation_loss(self, run: Run) -> float | None:
+        """sum_t w_t l_t / N over the validation set, batched as the CE validation loss is."""
+        batch_size = run.config.cache_batch_size
+        return mean_loss(
+            run.model, run.adapter, run.data.val, run.cache("val"), run.data.pad_id, batch_size, loss_sum=talr_sum
+        )
 
 
 register_objective(TALR)
