@@ -22,7 +22,7 @@ caches, e.g. 512 contexts x 300 tokens x 576 x 4 B = 354 MB each for SmolLM2 in 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -225,14 +225,24 @@ class RetainedKL:
         ]
 
     @torch.no_grad()
-    def kl(self, reference: list[torch.Tensor], residual: AtlasResidual | None = None) -> KLResult:
+    def kl(
+        self,
+        reference: list[torch.Tensor],
+        residual: AtlasResidual | None = None,
+        on_batch: Callable[[torch.Tensor], None] | None = None,
+    ) -> KLResult:
         """Mean KL(p_ref || p_model) where the model is the backbone with `residual` attached
-        at the prefix layer (None: the backbone as it is, e.g. with LoRA injected above)."""
-        return self.kl_many([reference], residual)[0]
+        at the prefix layer (None: the backbone as it is, e.g. with LoRA injected above).
+        `on_batch(ids)`: called with each batch's token ids (B, T) before its pass (e.g. an
+        update gate's `set`: a pass from the prefix cache never runs the embeddings)."""
+        return self.kl_many([reference], residual, on_batch)[0]
 
     @torch.no_grad()
     def kl_many(
-        self, references: Sequence[list[torch.Tensor]], residual: AtlasResidual | None = None
+        self,
+        references: Sequence[list[torch.Tensor]],
+        residual: AtlasResidual | None = None,
+        on_batch: Callable[[torch.Tensor], None] | None = None,
     ) -> list[KLResult]:
         """`kl` against several references (e.g. the base and the champion) in one pass: the
         model's layers l+1..L, its LM head and log-softmax run once per batch for all of them,
@@ -244,7 +254,9 @@ class RetainedKL:
         sums = [torch.zeros(len(self.order), 2, dtype=torch.float64) for _ in distinct]  # (C, kind) KL sums
         row = 0
         for i in tqdm(range(len(self.batches)), desc="KL", disable=not self.progress):
-            _, mask = self.batches[i]
+            ids, mask = self.batches[i]
+            if on_batch is not None:
+                on_batch(ids.to(self._device()))
             real = mask.bool().to(self._device())
             h = self._upper(i, residual)[real]  # (N, d): real positions only, padding never reaches the head
             refs = [reference[i][real] for reference in distinct]

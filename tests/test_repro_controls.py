@@ -38,3 +38,13 @@ def test_kinds_over_the_split_seeds_only():
     r = compare(_run(0, 0.1) + _run(1, 0.2, split=False), _run(0, 1.0) + _run(1, 1.0), 3)
     assert r["all"] == pytest.approx((0.1 * 0.2) ** 0.5)  # both seeds
     assert r["prompt"] == pytest.approx(0.1) and r["prompt_seeds"] == [0]  # seed 1 is not split
+
+
+def test_positions_neither_run_moved_are_named_not_divided():
+    """Answer-only updates leave every prompt position's KL at exactly 0 on both sides: no ratio."""
+    zero = lambda seed, scale: [
+        Point(p.seed, p.nll, p.kl, {"prompt": 0.0, "response": p.by_kind["response"]}) for p in _run(seed, scale)
+    ]
+    r = compare(zero(0, 0.1), zero(0, 1.0), 3)
+    assert r["prompt_zero"] and "prompt" not in r and r["response"] == pytest.approx(0.1)
+    assert "prompt_zero" not in compare(zero(0, 0.1), _run(0, 1.0), 3)  # one side moved them

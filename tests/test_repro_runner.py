@@ -362,3 +362,46 @@ def test_rates_chosen_by_the_objective_s_own_validation_loss_are_recorded_with_b
     assert store.read(store.run_path("talr", 0))["lr"] == rate["best_lr"]
     plain = store.read(store.lr_path("plain"))
     assert "chosen" not in plain and "val_objective" not in store.read(store.sweep_path("plain", 3e-3))
+
+
+class ChatWorld(TinyWorld):
+    """TinyWorld whose KL contexts are chat-rendered (prompt + assistant header + answer), as the real
+    workload's; `plain_contexts` keeps TinyWorld's, which no header ends."""
+
+    def __init__(self, plain_contexts: bool = False):
+        super().__init__()
+        self.plain_contexts = plain_contexts
+
+    def __call__(self) -> Workload:
+        w = super().__call__()
+        if not self.plain_contexts:
+            tok = w.tokenizer
+            prompts = [
+                tok.apply_chat_template(
+                    [{"role": "user", "content": f"{i} + {i} = ?"}], tokenize=False, add_generation_prompt=True
+                )
+                for i in range(6)
+            ]
+            w.kl_contexts, w.kl_prompts = (
+                [p + f"{2 * i}. The answer is {2 * i}." for i, p in enumerate(prompts)],
+                prompts,
+            )
+        self.model = w.model
+        return w
+
+
+def test_answer_only_updates_leave_every_prompt_position_s_kl_at_zero(tmp_path):
+    """update_positions: answer: no method changes a prompt position (KL there exactly 0), every
+    method still moves the answer positions, and the gates leave the model without hooks."""
+    config = repro_from_dict({**CONFIG, "seeds": [0], "epochs": 1, "update_positions": "answer"})
+    world = ChatWorld()
+    assert Runner(config, tmp_path / "results", tmp_path / "state", world, Budget(None)).run()
+    units = [json.loads(p.read_text()) for p in sorted((tmp_path / "results" / "units").glob("*/*.json"))]
+    assert len(units) == 3
+    for u in units:
+        kinds = u["kl"]["by_kind"]
+        assert kinds["prompt"]["mean"] == 0.0 and kinds["response"]["mean"] > 0, u["method"]
+    embed, head = world.model.get_input_embeddings(), world.model.get_output_embeddings()
+    assert not embed._forward_pre_hooks and not head._forward_pre_hooks
+    with pytest.raises(ValueError, match=r"kl_contexts\[0\]: the assistant header ends its prompt after 0 tokens"):
+        Runner(config, tmp_path / "r2", tmp_path / "s2", ChatWorld(plain_contexts=True), Budget(None)).run()

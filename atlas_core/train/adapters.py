@@ -33,6 +33,7 @@ class ResidualAdapter:
 
     def __init__(self, residual: AtlasResidual):
         self.residual = residual
+        self.update_gate = None  # an UpdateGate (update_gate.py) masking Delta per position, or None
 
     @property
     def layer(self) -> int:
@@ -71,6 +72,8 @@ class ResidualAdapter:
         cached: torch.Tensor | None = None,
         enabled: bool = True,
     ) -> torch.Tensor:
+        if self.update_gate is not None:  # a pass from the prefix cache never reaches the embeddings' hook
+            self.update_gate.set(ids)
         if cached is not None:
             h = cached + self.residual(cached) if enabled else cached
             return upper_hidden(model, self.layer, h, ids, mask)

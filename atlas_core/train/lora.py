@@ -61,6 +61,7 @@ class WeightLoRA:
         self.model, self.base = model, base
         self.budget_rank = rank  # the rank r of the budget r (d_in + d_out); a method may run at another rank
         self._hooks: list = []
+        self.update_gate = None  # an UpdateGate (update_gate.py) masking the branch per position, or None
         config = LoraConfig(
             r=rank,
             lora_alpha=alpha,
@@ -184,6 +185,8 @@ class WeightLoRA:
         if not enabled:
             with self.disabled():
                 return self.hidden(model, ids, mask, cached)
+        if self.update_gate is not None:  # a pass from the prefix cache never reaches the embeddings' hook
+            self.update_gate.set(ids)
         if cached is not None:
             return upper_hidden(model, self.cache_layer, cached, ids, mask)
         return full_hidden(model, ids, mask)

@@ -5,6 +5,7 @@
       methods: [MethodSpec]                     label + training config from configs/train/
       seeds, epochs, checkpoints_per_epoch      the training protocol
       lr_grid, lr_select                        learning rates tried per method; which validation loss picks one
+      update_positions                          where every method's update applies: all, or answer positions only
       reference, extra_pairs                    which methods the report compares
       atlas: AtlasSpec                          how the retained atlas is fitted (once per experiment)
       eval: EvalSpec                            the fixed subsets every checkpoint is scored on
@@ -31,6 +32,7 @@ from atlas_core.typed_config import ConfigError, build
 # Explicit only: results depend on the dtype, and 'auto' (atlas_core.backbone) differs between machines.
 DTYPES = ("bfloat16", "float32")
 ATLAS_POSITIONS = ("all", "response")
+UPDATE_POSITIONS = ("all", "answer")
 
 
 @dataclass
@@ -136,6 +138,9 @@ class ReproConfig:
     # "ce": token CE validation loss picks every method's rate; "objective": STM and TALR by their own
     # objective's validation loss (atlas_core.train.sweep), the others by CE as before.
     lr_select: str = "ce"
+    # "all": the update applies at every position; "answer": only after the assistant header, so no
+    # method changes a prompt position (atlas_core/train/update_gate.py: the masked control).
+    update_positions: str = "all"
     reference: str = "atlas"  # the method compared against every other one
     extra_pairs: list[str] = field(default_factory=list)  # further "method:baseline" comparisons
     atlas: AtlasSpec = field(default_factory=AtlasSpec)
@@ -166,6 +171,10 @@ class ReproConfig:
             raise ConfigError(f"lr_grid: expected positive learning rates, got {self.lr_grid}")
         if self.lr_select not in SELECT:
             raise ConfigError(f"lr_select: expected one of {list(SELECT)}, got {self.lr_select!r}")
+        if self.update_positions not in UPDATE_POSITIONS:
+            raise ConfigError(
+                f"update_positions: expected one of {list(UPDATE_POSITIONS)}, got {self.update_positions!r}"
+            )
 
     def method(self, name: str) -> MethodSpec:
         return next(m for m in self.methods if m.name == name)
@@ -181,10 +190,12 @@ class ReproConfig:
         return replace(base, backbone=self.backbone, layer=self.layer, rank=self.rank, train=train)
 
     def to_dict(self) -> dict:
-        """`lr_select` only when not 'ce' (as atlas.positions), so earlier experiments keep their fingerprints."""
+        """`lr_select` and `update_positions` only when not at their defaults (as atlas.positions),
+        so that earlier experiments keep their fingerprints."""
         d = asdict(self) | {"atlas": self.atlas.to_dict()}
-        if d["lr_select"] == "ce":
-            del d["lr_select"]
+        for name, default in (("lr_select", "ce"), ("update_positions", "all")):
+            if d[name] == default:
+                del d[name]
         return d
 
     def fingerprint(self) -> str:
@@ -210,6 +221,7 @@ SHARED = (
     "checkpoints_per_epoch",
     "lr_grid",
     "lr_select",
+    "update_positions",
     "atlas",
     "eval",
 )
@@ -300,6 +312,7 @@ def repro_from_dict(data) -> ReproConfig:
         "name": str,
         "backbone": str,
         "lr_select": str,
+        "update_positions": str,
         "dtype": str,
         "reference": str,
         "layer": int,

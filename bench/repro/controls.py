@@ -40,7 +40,7 @@ class Control:
 
 MAIN = "smollm2-l15"
 MEAN, RESPONSE, CSQA = "smollm2-l15-mean", "smollm2-l15-response-atlas", "smollm2-l15-csqa-atlas"
-COMMON, OWN = "smollm2-l15-common-mode", "smollm2-l15-own-objective"
+COMMON, OWN, ANSWER = "smollm2-l15-common-mode", "smollm2-l15-own-objective", "smollm2-l15-answer-only"
 CONTROLS = [
     # The paper's structural claims (38.4% centering, 4.6% and 13.0% full ATLAS), on the main experiment.
     Control("centering", f"{MAIN}/centered", f"{MAIN}/plain", 1 - 0.384),
@@ -62,6 +62,11 @@ CONTROLS = [
     # The retained domain: an atlas of another domain.
     Control("retained domain: CSQA atlas vs GSM8K atlas (ATLAS)", f"{CSQA}/atlas", f"{MAIN}/atlas"),
     Control("retained domain: CSQA atlas vs GSM8K atlas (Centered)", f"{CSQA}/centered", f"{MAIN}/centered"),
+    # Every update masked on the prompt positions (applied after the assistant header only).
+    Control("answer-only update: full ATLAS vs Weight-LoRA", f"{ANSWER}/atlas", f"{ANSWER}/weight-lora", 1 - 0.130),
+    Control("answer-only update: centering", f"{ANSWER}/centered", f"{ANSWER}/plain", 1 - 0.384),
+    Control("answer-only vs everywhere (ATLAS)", f"{ANSWER}/atlas", f"{MAIN}/atlas"),
+    Control("answer-only vs everywhere (Weight-LoRA)", f"{ANSWER}/weight-lora", f"{MAIN}/weight-lora"),
     # STM and TALR at the rate their own objective's validation loss picks (by CE they never learned).
     Control("STM: rate by its own objective vs by CE", f"{OWN}/stm", f"{MAIN}/stm"),
     Control("TALR: rate by its own objective vs by CE", f"{OWN}/talr", f"{MAIN}/talr"),
@@ -125,6 +130,10 @@ def compare(a: list[Point], b: list[Point], n_levels: int) -> dict:
         if split:
             out[kind] = _geomean([x.by_kind[kind] / y.by_kind[kind] for s in split for x, y in pairs[s]])
             out[f"{kind}_seeds"] = split
+        elif all(
+            x.by_kind and y.by_kind and x.by_kind[kind] == y.by_kind[kind] == 0 for s in seeds for x, y in pairs[s]
+        ):
+            out[f"{kind}_zero"] = True  # neither moved these positions at all (answer-only updates: the prompt)
     return out
 
 
@@ -148,6 +157,8 @@ def control_table(results: Path, n_levels: int = 8) -> str:
             continue
 
         def fmt(kind: str) -> str:
+            if r.get(f"{kind}_zero"):
+                return "0 on both sides"
             if kind not in r:
                 return "not split"
             seeds = r[f"{kind}_seeds"]

@@ -51,7 +51,8 @@ from atlas_core.train import (
     train,
 )
 from atlas_core.train.objectives import mean_loss
-from evaluation.kl import RetainedKL
+from atlas_core.train.update_gate import UpdateGate, assistant_header
+from evaluation.kl import RetainedKL, prompt_token_counts
 
 from .config import ReproConfig
 from .store import ResultStore, lr_tag
@@ -110,6 +111,7 @@ class Runner:
         self.w: Workload | None = None
         self._data = None
         self._caches: dict = {}  # (kind, layer) -> prefix caches / KL sets, reused by every run
+        self._gate_checked = False  # update_positions answer: the header checked against the data once
         self._unit_started = 0.0
         self._unit_clock = _Clock()
 
@@ -218,7 +220,9 @@ class Runner:
     def retained_kl(self, adapter):
         """KL(base || adapted) on the retained contexts (evaluation.kl's result: mean, positions, per context)."""
         kl, reference = self._kl(adapter)
-        return kl.kl(reference, adapter.residual if isinstance(adapter, ResidualAdapter) else None)
+        gate = getattr(adapter, "update_gate", None)
+        residual = adapter.residual if isinstance(adapter, ResidualAdapter) else None
+        return kl.kl(reference, residual, on_batch=None if gate is None else gate.set)
 
     def _score(self, adapter, final: bool) -> dict:
         w = self.w
@@ -273,7 +277,29 @@ class Runner:
             if rc.adapter == "weight-lora" and rc.lora.needs_stats
             else None
         )
-        return as_adapter(build_adapter(rc, self.w.model, self.w.atlas, stats=stats))  # LoRA factors are fp32
+        adapter = as_adapter(build_adapter(rc, self.w.model, self.w.atlas, stats=stats))  # LoRA factors are fp32
+        if self.config.update_positions == "answer":  # after the method's own hooks: it gates their result
+            self._gate().attach(self.w.model, adapter)
+        return adapter
+
+    def _gate(self) -> UpdateGate:
+        """A fresh answer-only gate, checked once against the training and KL data: its header must
+        end every prompt there (the KL's prompt positions are the positions it masks)."""
+        import torch
+
+        gate = UpdateGate(assistant_header(self.w.tokenizer))
+        if not self._gate_checked:
+            data = self._train_data(self.config.run_config(self.config.reference, 0, 1.0).train)
+            for part in (data.train, data.val):
+                gate.check(part.ids, part.prompt_len.tolist(), part.name)
+            if self.w.kl_prompts is None:
+                raise ValueError("workload: update_positions answer needs the KL contexts' prompts (kl_prompts)")
+            tok, contexts = self.w.tokenizer, self.w.kl_contexts
+            rows = tok(list(contexts), add_special_tokens=False)["input_ids"]
+            counts = prompt_token_counts(tok, contexts, self.w.kl_prompts, rows)
+            gate.check([torch.tensor(r) for r in rows], counts.tolist(), "kl_contexts")
+            self._gate_checked = True
+        return gate
 
     def _retained_stats(self):
         """layer l's o_proj input statistics on the atlas's retained contexts (LoRA-Null, O-LoRA, CorDA-KPM):
@@ -297,8 +323,7 @@ class Runner:
         try:
             yield adapter
         finally:
-            if isinstance(adapter, WeightLoRA):
-                adapter.remove()
+            _release(adapter)
 
     def _train(self, rc, adapter, run_dir: Path, on_checkpoint):
         data = self._train_data(rc.train)
@@ -346,8 +371,8 @@ class Runner:
         made: list = []
 
         def fresh():
-            if made and isinstance(made[-1], WeightLoRA):
-                made[-1].remove()
+            if made:
+                _release(made[-1])
             made.append(self._new_adapter(rc))
             return made[-1]
 
@@ -362,8 +387,8 @@ class Runner:
                 select=self.config.lr_select,
             )
         finally:
-            if made and isinstance(made[-1], WeightLoRA):
-                made[-1].remove()
+            if made:
+                _release(made[-1])
         own = "" if result.val_objective is None else f", own objective {result.val_objective}"
         _log(f"{method}: learning rate {result.best_lr:g} (validation loss {result.val_loss}{own})")
         self.store.write(self.store.lr_path(method), {"kind": "lr", "method": method, **result.to_dict()})
@@ -461,6 +486,14 @@ def _own_objective(summary) -> dict:
 
 def _answers(answers) -> list[dict]:
     return [{"id": a.id, "answer": a.answer, "correct": bool(a.correct)} for a in answers]
+
+
+def _release(adapter) -> None:
+    """Leave the model as the frozen backbone: the update gate's hooks off, a LoRA taken out."""
+    if getattr(adapter, "update_gate", None) is not None:
+        adapter.update_gate.detach()
+    if isinstance(adapter, WeightLoRA):
+        adapter.remove()
 
 
 def _adapted(model, adapter):
