@@ -183,17 +183,22 @@ def why_rejected(result) -> str:
         p.close()
 
 
-def growth(series: list[float]) -> float:
-    """Least-squares slope of the series against the release index, as a share of its mean: the
-    cost each release already on the line adds. Release 1 is left out (it pays the one-time costs:
-    the first backbone load, Prefect's temporary server, cold file caches)."""
+def growth(series: list[float]) -> tuple[float, float]:
+    """Least-squares slope of the series against the release index, as a share of its mean (the
+    cost each release already on the line adds), and the slope's standard error on the same scale
+    (how far timing noise alone moves it). Release 1 is left out (it pays the one-time costs: the
+    first backbone load, Prefect's temporary server, cold file caches)."""
     ys = series[1:]
     n = len(ys)
     if n < 2:
-        return float("nan")
+        return float("nan"), float("nan")
     mean_t, mean_y = (n - 1) / 2, sum(ys) / n
-    slope = sum((t - mean_t) * (y - mean_y) for t, y in enumerate(ys)) / sum((t - mean_t) ** 2 for t in range(n))
-    return slope / mean_y
+    sxx = sum((t - mean_t) ** 2 for t in range(n))
+    slope = sum((t - mean_t) * (y - mean_y) for t, y in enumerate(ys)) / sxx
+    if n == 2:  # a line through two points: no residual to estimate the noise from
+        return slope / mean_y, float("nan")
+    residual = sum((y - mean_y - slope * (t - mean_t)) ** 2 for t, y in enumerate(ys)) / (n - 2)
+    return slope / mean_y, (residual / sxx) ** 0.5 / mean_y
 
 
 def main() -> None:
@@ -267,18 +272,21 @@ def fmt(value, width: int, digits: int) -> str:
 
 def report(args, rows: list[dict]) -> None:
     summary = {
-        "cycle_growth": growth([r["cycle_s"] for r in rows]),
+        "cycle_growth": growth([r["cycle_s"] for r in rows])[0],
         # The cycle's stages alone: Prefect's end of a flow run rounds a cycle's wall time up to whole
         # seconds (tiny model, measured: 6.07, 6.07, 6.11, 6.08, 6.08, 7.08, 8.08 s), +-16% of a 6 s cycle.
-        "stage_growth": growth([sum(r["phases"].values()) for r in rows]),
-        "load_growth": growth([r["load_s"] for r in rows]),
+        # The stages hold a candidate's subflow, whose end waits the same way (tiny model, measured:
+        # 1.5-4.6 s for the same training), hence the standard errors next to the slopes.
+        **dict(zip(("stage_growth", "stage_growth_se"), growth([sum(r["phases"].values()) for r in rows]))),
+        **dict(zip(("load_growth", "load_growth_se"), growth([r["load_s"] for r in rows]))),
         "overhead_b1_per_delta": rows[-1]["decoding"][1]["overhead"] / len(rows),
         "overhead_b8_per_delta": rows[-1]["decoding"][8]["overhead"] / len(rows),
     }
     print(
-        "growth per release (least-squares slope over releases 2..N / their mean): "
-        f"cycle {summary['cycle_growth']:+.1%} (its stages {summary['stage_growth']:+.1%}), "
-        f"load {summary['load_growth']:+.1%}; decoding overhead per delta at release {len(rows)}: "
+        "growth per release (least-squares slope over releases 2..N / their mean, +- its standard error): "
+        f"cycle {summary['cycle_growth']:+.1%} (its stages {summary['stage_growth']:+.1%} "
+        f"+- {summary['stage_growth_se']:.1%}), load {summary['load_growth']:+.1%} +- {summary['load_growth_se']:.1%}; "
+        f"decoding overhead per delta at release {len(rows)}: "
         f"{summary['overhead_b1_per_delta']:.1%} (batch 1), {summary['overhead_b8_per_delta']:.1%} (batch 8)"
     )
     n, delta = len(rows), max(summary["overhead_b1_per_delta"], summary["overhead_b8_per_delta"])

@@ -34,10 +34,16 @@ def test_eight_tiny_releases_keep_cycle_and_load_time_flat(tmp_path):
     rows, summary = result["rows"], result["summary"]
     assert [r["t"] for r in rows] == list(range(1, 9))
     # The cycle's stages: on a 6 s tiny cycle the wall time moves by whole seconds (Prefect's end of a
-    # flow run), noise larger than the goal; the default backbone's wall time is in docs/BENCHMARKS.md.
+    # flow run, the candidate's subflow included), noise larger than the goal (CI measured +11.7% on a
+    # flat line, +1.0% +- 3.1% here), so a slope fails only when it is above +10% by more than twice its
+    # standard error. Measured with work injected per delta already on the line (a sleep in the lineage
+    # stage): 2 s per delta gives +18.0% +- 0.9% and fails; 1 s per delta (+15.0% +- 2.0%) is at the edge.
+    # The default backbone's wall time is in docs/BENCHMARKS.md.
     stages = [round(sum(r["phases"].values()), 2) for r in rows]
-    assert summary["stage_growth"] <= 0.10, (summary, stages, [round(r["cycle_s"], 2) for r in rows])
-    assert summary["load_growth"] <= 0.10, (summary, [round(r["load_s"], 3) for r in rows])
+    stage_bound = summary["stage_growth"] - 2 * summary["stage_growth_se"]
+    assert stage_bound <= 0.10, (summary, stages, [round(r["cycle_s"], 2) for r in rows])
+    load_bound = summary["load_growth"] - 2 * summary["load_growth_se"]
+    assert load_bound <= 0.10, (summary, [round(r["load_s"], 3) for r in rows])
     sizes = [r["bytes"] for r in rows]
     assert all(b > a for a, b in zip(sizes, sizes[1:]))  # one more delta per release
     assert all("line_OP" in r["history"] for r in rows) and "line_BWT" in rows[-1]["history"]
