@@ -59,9 +59,15 @@ CONTROLS = [
     # The shared prompt: an atlas without prompt positions.
     Control("prompt states in the atlas: answer-only vs all (ATLAS)", f"{RESPONSE}/atlas", f"{MAIN}/atlas"),
     Control("prompt states in the atlas: answer-only vs all (Centered)", f"{RESPONSE}/centered", f"{MAIN}/centered"),
+    Control("answer-only atlas: full ATLAS vs Weight-LoRA", f"{RESPONSE}/atlas", f"{MAIN}/weight-lora", 1 - 0.130),
+    Control("answer-only atlas: full ATLAS vs centering", f"{RESPONSE}/atlas", f"{RESPONSE}/centered", 1 - 0.046),
+    Control("answer-only atlas: centering", f"{RESPONSE}/centered", f"{MAIN}/plain", 1 - 0.384),
     # The retained domain: an atlas of another domain.
     Control("retained domain: CSQA atlas vs GSM8K atlas (ATLAS)", f"{CSQA}/atlas", f"{MAIN}/atlas"),
     Control("retained domain: CSQA atlas vs GSM8K atlas (Centered)", f"{CSQA}/centered", f"{MAIN}/centered"),
+    Control("CSQA atlas: full ATLAS vs Weight-LoRA", f"{CSQA}/atlas", f"{MAIN}/weight-lora", 1 - 0.130),
+    Control("CSQA atlas: full ATLAS vs centering", f"{CSQA}/atlas", f"{CSQA}/centered", 1 - 0.046),
+    Control("CSQA atlas: centering", f"{CSQA}/centered", f"{MAIN}/plain", 1 - 0.384),
     # Every update masked on the prompt positions (applied after the assistant header only).
     Control("answer-only update: full ATLAS vs Weight-LoRA", f"{ANSWER}/atlas", f"{ANSWER}/weight-lora", 1 - 0.130),
     Control("answer-only update: centering", f"{ANSWER}/centered", f"{ANSWER}/plain", 1 - 0.384),
