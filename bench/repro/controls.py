@@ -59,9 +59,13 @@ CONTROLS = [
     # The shared prompt: an atlas without prompt positions.
     Control("prompt states in the atlas: answer-only vs all (ATLAS)", f"{RESPONSE}/atlas", f"{MAIN}/atlas"),
     Control("prompt states in the atlas: answer-only vs all (Centered)", f"{RESPONSE}/centered", f"{MAIN}/centered"),
-    Control("answer-only atlas: full ATLAS vs Weight-LoRA", f"{RESPONSE}/atlas", f"{MAIN}/weight-lora", 1 - 0.130),
-    Control("answer-only atlas: full ATLAS vs centering", f"{RESPONSE}/atlas", f"{RESPONSE}/centered", 1 - 0.046),
-    Control("answer-only atlas: centering", f"{RESPONSE}/centered", f"{MAIN}/plain", 1 - 0.384),
+    Control(
+        "atlas without prompt states: full ATLAS vs Weight-LoRA", f"{RESPONSE}/atlas", f"{MAIN}/weight-lora", 1 - 0.130
+    ),
+    Control(
+        "atlas without prompt states: full ATLAS vs centering", f"{RESPONSE}/atlas", f"{RESPONSE}/centered", 1 - 0.046
+    ),
+    Control("atlas without prompt states: centering", f"{RESPONSE}/centered", f"{MAIN}/plain", 1 - 0.384),
     # The retained domain: an atlas of another domain.
     Control("retained domain: CSQA atlas vs GSM8K atlas (ATLAS)", f"{CSQA}/atlas", f"{MAIN}/atlas"),
     Control("retained domain: CSQA atlas vs GSM8K atlas (Centered)", f"{CSQA}/centered", f"{MAIN}/centered"),
