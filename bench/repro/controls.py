@@ -56,6 +56,8 @@ CONTROLS = [
         "common mode, weight adapter: LoRA on x - mu vs Weight-LoRA", f"{COMMON}/centered-lora", f"{MAIN}/weight-lora"
     ),
     Control("common mode, O-LoRA: centered vs uncentered covariance", f"{COMMON}/o-lora-centered", f"{MAIN}/o-lora"),
+    Control("full ATLAS vs LoRA on x - mu", f"{MAIN}/atlas", f"{COMMON}/centered-lora"),
+    Control("full ATLAS vs O-LoRA on the centered covariance", f"{MAIN}/atlas", f"{COMMON}/o-lora-centered"),
     # The shared prompt: an atlas without prompt positions.
     Control("prompt states in the atlas: answer-only vs all (ATLAS)", f"{RESPONSE}/atlas", f"{MAIN}/atlas"),
     Control("prompt states in the atlas: answer-only vs all (Centered)", f"{RESPONSE}/centered", f"{MAIN}/centered"),
