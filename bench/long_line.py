@@ -271,14 +271,18 @@ def fmt(value, width: int, digits: int) -> str:
 
 
 def report(args, rows: list[dict]) -> None:
+    # The cycle's stages alone: Prefect's end of a flow run rounds a cycle's wall time up to whole
+    # seconds (tiny model, measured: 6.07, 6.07, 6.11, 6.08, 6.08, 7.08, 8.08 s), +-16% of a 6 s cycle.
+    # The stages hold a candidate's subflow, whose end waits the same way (tiny model, measured:
+    # 1.5-4.6 s for the same training), hence the standard errors next to the slopes.
+    stage, stage_se = growth([sum(r["phases"].values()) for r in rows])
+    load, load_se = growth([r["load_s"] for r in rows])
     summary = {
         "cycle_growth": growth([r["cycle_s"] for r in rows])[0],
-        # The cycle's stages alone: Prefect's end of a flow run rounds a cycle's wall time up to whole
-        # seconds (tiny model, measured: 6.07, 6.07, 6.11, 6.08, 6.08, 7.08, 8.08 s), +-16% of a 6 s cycle.
-        # The stages hold a candidate's subflow, whose end waits the same way (tiny model, measured:
-        # 1.5-4.6 s for the same training), hence the standard errors next to the slopes.
-        **dict(zip(("stage_growth", "stage_growth_se"), growth([sum(r["phases"].values()) for r in rows]))),
-        **dict(zip(("load_growth", "load_growth_se"), growth([r["load_s"] for r in rows]))),
+        "stage_growth": stage,
+        "stage_growth_se": stage_se,
+        "load_growth": load,
+        "load_growth_se": load_se,
         "overhead_b1_per_delta": rows[-1]["decoding"][1]["overhead"] / len(rows),
         "overhead_b8_per_delta": rows[-1]["decoding"][8]["overhead"] / len(rows),
     }
