@@ -3,7 +3,7 @@ represented by the run's least-KL checkpoint reaching it, and the same checkpoin
 
 import pytest
 
-from bench.repro.controls import Point, compare
+from bench.repro.controls import Point, compare, per_seed
 
 
 def _run(seed: int, scale: float, split: bool = True) -> list[Point]:
@@ -48,3 +48,9 @@ def test_positions_neither_run_moved_are_named_not_divided():
     r = compare(zero(0, 0.1), zero(0, 1.0), 3)
     assert r["prompt_zero"] and "prompt" not in r and r["response"] == pytest.approx(0.1)
     assert "prompt_zero" not in compare(zero(0, 0.1), _run(0, 1.0), 3)  # one side moved them
+
+
+def test_each_seeds_own_ratio_beside_the_mean():
+    a, b = _run(0, 0.1) + _run(1, 0.4) + _run(2, 0.3), _run(0, 1.0) + _run(1, 1.0)  # seed 2 has no partner
+    assert per_seed(a, b, 3) == pytest.approx({0: 0.1, 1: 0.4})
+    assert compare(a, b, 3)["all"] == pytest.approx((0.1 * 0.4) ** 0.5)

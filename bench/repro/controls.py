@@ -8,7 +8,9 @@ the seeds both have finished. At each level and seed a run is represented by its
 least retained KL among those reaching the level (as the main comparison); the row gives the
 geometric-mean ratio of their KL over all positions, and of the same two checkpoints' KL on prompt
 positions and on answer positions (the split stored when scored, or added by bench.repro.kl_split), over the seeds whose
-checkpoints are split on both sides (named in the cell when fewer than the row's).
+checkpoints are split on both sides (named in the cell when fewer than the row's). Where a row has
+more than one seed, each seed's own ratio follows (its levels those that seed's two runs share), so a
+reader sees whether one seed carries the mean.
 The controls differ from the main experiment in one setting each (configs/repro/controls-*.yaml).
 """
 
@@ -160,11 +162,17 @@ def compare(a: list[Point], b: list[Point], n_levels: int) -> dict:
     return out
 
 
+def per_seed(a: list[Point], b: list[Point], n_levels: int) -> dict[int, float]:
+    """Each shared seed's ratio over all positions, at the NLL levels that seed's checkpoints share."""
+    seeds = sorted({p.seed for p in a} & {p.seed for p in b})
+    return {s: compare([p for p in a if p.seed == s], [p for p in b if p.seed == s], n_levels)["all"] for s in seeds}
+
+
 def control_table(results: Path, n_levels: int = 8) -> str:
     lines = [
-        "| control | first / second | seeds | shared NLL levels | KL ratio | on prompt positions | "
+        "| control | first / second | seeds | shared NLL levels | KL ratio | per seed | on prompt positions | "
         "on answer positions | paper |",
-        "|---|---|---:|---|---:|---:|---:|---:|",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for c in CONTROLS:
         a, b = load_run(results, c.first), load_run(results, c.second)
@@ -172,11 +180,11 @@ def control_table(results: Path, n_levels: int = 8) -> str:
         pair = f"`{c.first}` / `{c.second}`"
         missing = [r for r, pts in ((c.first, a), (c.second, b)) if pts is None]
         if missing:
-            lines.append(f"| {c.question} | {pair} | - | not run yet: {', '.join(missing)} | | | | {paper} |")
+            lines.append(f"| {c.question} | {pair} | - | not run yet: {', '.join(missing)} | | | | | {paper} |")
             continue
         r = compare(a, b, n_levels)
         if not r["seeds"]:
-            lines.append(f"| {c.question} | {pair} | 0 | no finished seed in common | | | | {paper} |")
+            lines.append(f"| {c.question} | {pair} | 0 | no finished seed in common | | | | | {paper} |")
             continue
 
         def fmt(kind: str) -> str:
@@ -188,8 +196,9 @@ def control_table(results: Path, n_levels: int = 8) -> str:
             return f"{r[kind]:.3f}" + ("" if seeds == r["seeds"] else f" (seed {','.join(map(str, seeds))})")
 
         span = f"{r['levels'][0]:.4f}-{r['levels'][-1]:.4f} ({len(r['levels'])})"
+        seeds = ", ".join(f"{v:.3f}" for v in per_seed(a, b, n_levels).values()) if len(r["seeds"]) > 1 else "-"
         lines.append(
-            f"| {c.question} | {pair} | {','.join(map(str, r['seeds']))} | {span} | {r['all']:.3f} | "
+            f"| {c.question} | {pair} | {','.join(map(str, r['seeds']))} | {span} | {r['all']:.3f} | {seeds} | "
             f"{fmt('prompt')} | {fmt('response')} | {paper} |"
         )
     return "\n".join(lines) + "\n"
