@@ -213,6 +213,10 @@ def test_fingerprint_follows_what_changes_results():
     atlas = dict(GOOD.get("atlas") or {})
     assert repro_from_dict({**GOOD, "atlas": atlas | {"positions": "all"}}).fingerprint() == a
     assert repro_from_dict({**GOOD, "atlas": atlas | {"positions": "response"}}).fingerprint() != a
+    assert repro_from_dict({**GOOD, "atlas": atlas | {"positions": "after-first"}}).fingerprint() not in (
+        a,
+        repro_from_dict({**GOOD, "atlas": atlas | {"positions": "response"}}).fingerprint(),
+    )
     grown = repro_from_dict(
         {
             **GOOD,
@@ -248,3 +252,17 @@ def test_methods_without_results_are_listed_as_not_run_yet(results):
 def test_every_committed_experiment_config_loads(path):
     config = load_repro_config(path)
     assert config.name and config.methods
+
+
+def test_atlas_positions_name_each_contexts_first_drawable_position():
+    """'all': any; 'response': after the prompt's tokens; 'after-first': all but position 0 (the sink)."""
+    from bench.repro.workload import first_positions
+    from evaluation.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    prompts = ["<|user|>Add 4 and 5.<|assistant|>", "<|user|>Name a colour.<|assistant|>"]
+    texts = [prompts[0] + "4 plus 5 is 9.", prompts[1] + "Red."]
+    assert first_positions("all", tok, prompts, texts) is None
+    assert first_positions("after-first", tok, prompts, texts) == [1, 1]
+    counts = [len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    assert list(first_positions("response", tok, prompts, texts)) == counts and min(counts) > 1

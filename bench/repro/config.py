@@ -31,7 +31,7 @@ from atlas_core.typed_config import ConfigError, build
 
 # Explicit only: results depend on the dtype, and 'auto' (atlas_core.backbone) differs between machines.
 DTYPES = ("bfloat16", "float32")
-ATLAS_POSITIONS = ("all", "response")
+ATLAS_POSITIONS = ("all", "response", "after-first")
 UPDATE_POSITIONS = ("all", "answer")
 
 
@@ -52,8 +52,10 @@ class AtlasSpec:
     positions: str = field(
         default="all",
         metadata={
-            "help": "Which positions of a calibration context are sampled: 'all', or 'response' (only states that "
-            "have seen some of the reference answer: the shared prompt's states stay out of the atlas)."
+            "help": "Which positions of a calibration context are sampled: 'all'; 'response' (only states that "
+            "have seen some of the reference answer: the shared prompt's states stay out of the atlas); or "
+            "'after-first' (all but position 0, the attention-sink state every context shares, whose layer-15 "
+            "norm is ~150x the median)."
         },
     )
 

@@ -43,6 +43,7 @@ class Control:
 MAIN = "smollm2-l15"
 MEAN, RESPONSE, CSQA = "smollm2-l15-mean", "smollm2-l15-response-atlas", "smollm2-l15-csqa-atlas"
 COMMON, OWN, ANSWER = "smollm2-l15-common-mode", "smollm2-l15-own-objective", "smollm2-l15-answer-only"
+SINK = "smollm2-l15-after-first-atlas"
 # The paper's ratios (spec section 7, Qwen3-8B): centering -38.4% vs plain; full ATLAS -4.6% vs centering, -13.0%
 # vs Weight-LoRA.
 PAPER_CENTERING, PAPER_ATLAS_VS_CENTERED, PAPER_ATLAS_VS_LORA = 1 - 0.384, 1 - 0.046, 1 - 0.130
@@ -79,6 +80,16 @@ CONTROLS = [
         PAPER_ATLAS_VS_CENTERED,
     ),
     Control("atlas without prompt states: centering", f"{RESPONSE}/centered", f"{MAIN}/plain", PAPER_CENTERING),
+    # The attention sink: the main atlas without position 0's state (the same in every context, norm ~150x the median).
+    Control("sink state in the atlas: all but position 0 vs all (ATLAS)", f"{SINK}/atlas", f"{MAIN}/atlas"),
+    Control("sink state in the atlas: all but position 0 vs all (Centered)", f"{SINK}/centered", f"{MAIN}/centered"),
+    Control(
+        "atlas without the sink state: full ATLAS vs Weight-LoRA",
+        f"{SINK}/atlas",
+        f"{MAIN}/weight-lora",
+        PAPER_ATLAS_VS_LORA,
+    ),
+    Control("atlas without the sink state: centering", f"{SINK}/centered", f"{MAIN}/plain", PAPER_CENTERING),
     # The retained domain: an atlas of another domain.
     Control("retained domain: CSQA atlas vs GSM8K atlas (ATLAS)", f"{CSQA}/atlas", f"{MAIN}/atlas"),
     Control("retained domain: CSQA atlas vs GSM8K atlas (Centered)", f"{CSQA}/centered", f"{MAIN}/centered"),

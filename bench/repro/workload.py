@@ -72,12 +72,26 @@ def atlas_path(config: ReproConfig, root: Path) -> Path:
     )
 
 
+def first_positions(positions: str, tokenizer, prompts: list[str], texts: list[str]) -> list[int] | None:
+    """Per calibration context, the first position the atlas may sample (atlas.positions; None: any).
+
+    'response': the first position whose state has seen some of the answer (the prompt's token count);
+    'after-first': 1, so that only position 0 stays out: the attention sink, the same state in every
+    context (the chat template's first token), its layer-15 norm ~150x the median (SmolLM2-135M)."""
+    from evaluation.kl import prompt_token_counts
+
+    if positions == "response":
+        return prompt_token_counts(tokenizer, texts, prompts, tokenizer(texts, add_special_tokens=False)["input_ids"])
+    if positions == "after-first":
+        return [1] * len(texts)
+    return None
+
+
 def fit_or_load_atlas(config: ReproConfig, model, tokenizer, path: Path):
     """The experiment's atlas: loaded (sha256-checked) if this session or an earlier one fitted it."""
     from atlas_core.atlas import Atlas, AtlasConfig, fit_atlas
     from atlas_core.extract import sample_activations
     from evaluation.contexts import retained_prompts
-    from evaluation.kl import prompt_token_counts
 
     if path.is_file():
         return Atlas.load(path)
@@ -91,12 +105,7 @@ def fit_or_load_atlas(config: ReproConfig, model, tokenizer, path: Path):
     )
     examples = -(-spec.num_vectors // spec.per_example)
     ids, prompts, texts = retained_prompts(tokenizer, spec.retained, spec.split, limit=examples)
-    # 'response': the first position that may be drawn is the first whose state has seen the answer
-    first = (
-        prompt_token_counts(tokenizer, texts, prompts, tokenizer(texts, add_special_tokens=False)["input_ids"])
-        if spec.positions == "response"
-        else None
-    )
+    first = first_positions(spec.positions, tokenizer, prompts, texts)
     started = time.perf_counter()
     x = sample_activations(
         model,
@@ -114,7 +123,9 @@ def fit_or_load_atlas(config: ReproConfig, model, tokenizer, path: Path):
         "backbone": config.backbone,
         "dtype": config.dtype,
         "data": f"{spec.retained} {spec.split}: first {len(ids)} contexts (prompt + reference answer)"
-        + ("" if first is None else ", response positions only"),
+        + {"all": "", "response": ", response positions only", "after-first": ", all positions but the first"}[
+            spec.positions
+        ],
     }
     atlas = fit_atlas(x, atlas_config, meta)
     atlas.save(path)
