@@ -3,7 +3,7 @@ represented by the run's least-KL checkpoint reaching it, and the same checkpoin
 
 import pytest
 
-from bench.repro.controls import Point, compare, per_seed
+from bench.repro.controls import Point, compare, learned, per_seed
 
 
 def _run(seed: int, scale: float, split: bool = True) -> list[Point]:
@@ -54,3 +54,9 @@ def test_each_seeds_own_ratio_beside_the_mean():
     a, b = _run(0, 0.1) + _run(1, 0.4) + _run(2, 0.3), _run(0, 1.0) + _run(1, 1.0)  # seed 2 has no partner
     assert per_seed(a, b, 3) == pytest.approx({0: 0.1, 1: 0.4})
     assert compare(a, b, 3)["all"] == pytest.approx((0.1 * 0.4) ** 0.5)
+
+
+def test_a_pair_sharing_no_level_below_the_base_is_uninformative():
+    a, b = _run(0, 0.1), [Point(0, nll + 0.3, kl, None) for nll, kl in ((0.90, 0.01), (0.85, 0.02))]  # b got worse
+    levels = compare(a, b, 3)["levels"]
+    assert not learned(levels, base=1.0) and learned(compare(a, _run(0, 1.0), 3)["levels"], base=1.0)

@@ -139,6 +139,21 @@ def load_run(results: Path, run: str) -> list[Point] | None:
     return [Point(u["seed"], u["heldout_nll"], u["kl"]["mean"], _split(u)) for u in units] or None
 
 
+def base_nll(results: Path, run: str) -> float | None:
+    """The untrained backbone's held-out NLL, as `<experiment>` scored it (None: not scored yet)."""
+    root = results / run.split("/")[0]
+    stored = json.loads((root / "experiment.json").read_text())
+    base = ResultStore(root, stored["fingerprint"]).read(root / "base.json")
+    return None if base is None else base["heldout_nll"]
+
+
+def learned(levels: list[float], base: float) -> bool:
+    """Whether a pair shares an NLL level below the untrained base's. If not, it compares two models that
+    did not learn the skill (as held-out NLL measures it), and its ratio says nothing about keeping
+    behaviour while learning: the row is marked uninformative."""
+    return min(levels) < base
+
+
 def _best(points: list[Point], seed: int, level: float) -> Point:
     """The checkpoint of least KL among those of `seed` reaching NLL <= level."""
     return min((p for p in points if p.seed == seed and p.nll <= level), key=lambda p: p.kl)
@@ -206,10 +221,14 @@ def control_table(results: Path, n_levels: int = 8) -> str:
             seeds = r[f"{kind}_seeds"]
             return f"{r[kind]:.3f}" + ("" if seeds == r["seeds"] else f" (seed {','.join(map(str, seeds))})")
 
+        base = min(v for v in (base_nll(results, c.first), base_nll(results, c.second)) if v is not None)
+        question = c.question
+        if not learned(r["levels"], base):
+            question += f", *uninformative: no shared NLL level below the base's {base:.4f}*"
         span = f"{r['levels'][0]:.4f}-{r['levels'][-1]:.4f} ({len(r['levels'])})"
         seeds = ", ".join(f"{v:.3f}" for v in per_seed(a, b, n_levels).values()) if len(r["seeds"]) > 1 else "-"
         lines.append(
-            f"| {c.question} | {pair} | {','.join(map(str, r['seeds']))} | {span} | {r['all']:.3f} | {seeds} | "
+            f"| {question} | {pair} | {','.join(map(str, r['seeds']))} | {span} | {r['all']:.3f} | {seeds} | "
             f"{fmt('prompt')} | {fmt('response')} | {paper} |"
         )
     return "\n".join(lines) + "\n"
