@@ -221,10 +221,10 @@ def control_table(results: Path, n_levels: int = 8) -> str:
             seeds = r[f"{kind}_seeds"]
             return f"{r[kind]:.3f}" + ("" if seeds == r["seeds"] else f" (seed {','.join(map(str, seeds))})")
 
-        base = min(v for v in (base_nll(results, c.first), base_nll(results, c.second)) if v is not None)
+        bases = [v for v in (base_nll(results, c.first), base_nll(results, c.second)) if v is not None]
         question = c.question
-        if not learned(r["levels"], base):
-            question += f", *uninformative: no shared NLL level below the base's {base:.4f}*"
+        if bases and not learned(r["levels"], min(bases)):
+            question += f", *uninformative: no shared NLL level below the base's {min(bases):.4f}*"
         span = f"{r['levels'][0]:.4f}-{r['levels'][-1]:.4f} ({len(r['levels'])})"
         seeds = ", ".join(f"{v:.3f}" for v in per_seed(a, b, n_levels).values()) if len(r["seeds"]) > 1 else "-"
         lines.append(
