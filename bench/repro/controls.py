@@ -89,6 +89,12 @@ CONTROLS = [
         f"{MAIN}/weight-lora",
         PAPER_ATLAS_VS_LORA,
     ),
+    Control(
+        "atlas without the sink state: full ATLAS vs centering",
+        f"{SINK}/atlas",
+        f"{SINK}/centered",
+        PAPER_ATLAS_VS_CENTERED,
+    ),
     Control("atlas without the sink state: centering", f"{SINK}/centered", f"{MAIN}/plain", PAPER_CENTERING),
     # The retained domain: an atlas of another domain.
     Control("retained domain: CSQA atlas vs GSM8K atlas (ATLAS)", f"{CSQA}/atlas", f"{MAIN}/atlas"),
