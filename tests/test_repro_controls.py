@@ -46,8 +46,9 @@ def test_positions_neither_run_moved_are_named_not_divided():
         Point(p.seed, p.nll, p.kl, {"prompt": 0.0, "response": p.by_kind["response"]}) for p in _run(seed, scale)
     ]
     r = compare(zero(0, 0.1), zero(0, 1.0), 3)
-    assert r["prompt_zero"] and "prompt" not in r and r["response"] == pytest.approx(0.1)
-    assert "prompt_zero" not in compare(zero(0, 0.1), _run(0, 1.0), 3)  # one side moved them
+    assert r["prompt_zero"] == "both" and "prompt" not in r and r["response"] == pytest.approx(0.1)
+    assert compare(zero(0, 0.1), _run(0, 1.0), 3)["prompt_zero"] == "first"  # a ratio of 0: only the second moved them
+    assert "prompt_zero" not in compare(_run(0, 1.0), zero(0, 0.1), 3)  # only the first moved them: no finite ratio
 
 
 def test_each_seeds_own_ratio_beside_the_mean():

@@ -43,7 +43,7 @@ class Control:
 MAIN = "smollm2-l15"
 MEAN, RESPONSE, CSQA = "smollm2-l15-mean", "smollm2-l15-response-atlas", "smollm2-l15-csqa-atlas"
 COMMON, OWN, ANSWER = "smollm2-l15-common-mode", "smollm2-l15-own-objective", "smollm2-l15-answer-only"
-SINK = "smollm2-l15-after-first-atlas"
+SINK, SINK_ANSWER = "smollm2-l15-after-first-atlas", "smollm2-l15-after-first-answer-only"
 # The paper's ratios (spec section 7, Qwen3-8B): centering -38.4% vs plain; full ATLAS -4.6% vs centering, -13.0%
 # vs Weight-LoRA.
 PAPER_CENTERING, PAPER_ATLAS_VS_CENTERED, PAPER_ATLAS_VS_LORA = 1 - 0.384, 1 - 0.046, 1 - 0.130
@@ -107,8 +107,27 @@ CONTROLS = [
         "answer-only update: full ATLAS vs Weight-LoRA", f"{ANSWER}/atlas", f"{ANSWER}/weight-lora", PAPER_ATLAS_VS_LORA
     ),
     Control("answer-only update: centering", f"{ANSWER}/centered", f"{ANSWER}/plain", PAPER_CENTERING),
+    Control(
+        "answer-only update: full ATLAS vs centering", f"{ANSWER}/atlas", f"{ANSWER}/centered", PAPER_ATLAS_VS_CENTERED
+    ),
     Control("answer-only vs everywhere (ATLAS)", f"{ANSWER}/atlas", f"{MAIN}/atlas"),
     Control("answer-only vs everywhere (Weight-LoRA)", f"{ANSWER}/weight-lora", f"{MAIN}/weight-lora"),
+    Control("answer-only vs everywhere (Centered)", f"{ANSWER}/centered", f"{MAIN}/centered"),
+    Control("answer-only vs everywhere (Plain)", f"{ANSWER}/plain", f"{MAIN}/plain"),
+    # Both: the atlas without the sink state, the update masked on the prompt (where that atlas's residual is large).
+    Control(
+        "sink-less atlas, answer-only update: full ATLAS vs Weight-LoRA",
+        f"{SINK_ANSWER}/atlas",
+        f"{ANSWER}/weight-lora",
+        PAPER_ATLAS_VS_LORA,
+    ),
+    Control(
+        "sink-less atlas, answer-only update: centering", f"{SINK_ANSWER}/centered", f"{ANSWER}/plain", PAPER_CENTERING
+    ),
+    Control("sink-less atlas: answer-only vs everywhere (ATLAS)", f"{SINK_ANSWER}/atlas", f"{SINK}/atlas"),
+    Control("sink-less atlas: answer-only vs everywhere (Centered)", f"{SINK_ANSWER}/centered", f"{SINK}/centered"),
+    Control("answer-only update: sink-less vs main atlas (ATLAS)", f"{SINK_ANSWER}/atlas", f"{ANSWER}/atlas"),
+    Control("answer-only update: sink-less vs main atlas (Centered)", f"{SINK_ANSWER}/centered", f"{ANSWER}/centered"),
     # STM and TALR at the rate their own objective's validation loss picks (by CE they never learned).
     Control("STM: rate by its own objective vs by CE", f"{OWN}/stm", f"{MAIN}/stm"),
     Control("TALR: rate by its own objective vs by CE", f"{OWN}/talr", f"{MAIN}/talr"),
@@ -187,10 +206,11 @@ def compare(a: list[Point], b: list[Point], n_levels: int) -> dict:
         if split:
             out[kind] = _geomean([x.by_kind[kind] / y.by_kind[kind] for s in split for x, y in pairs[s]])
             out[f"{kind}_seeds"] = split
-        elif all(
-            x.by_kind and y.by_kind and x.by_kind[kind] == y.by_kind[kind] == 0 for s in seeds for x, y in pairs[s]
-        ):
-            out[f"{kind}_zero"] = True  # neither moved these positions at all (answer-only updates: the prompt)
+        elif all(x.by_kind and x.by_kind[kind] == 0 for s in seeds for x, _ in pairs[s]):
+            # The first moved none of these positions (answer-only updates: the prompt): a ratio of exactly 0, or
+            # no ratio at all where the second moved none either.
+            both = all(y.by_kind and y.by_kind[kind] == 0 for s in seeds for _, y in pairs[s])
+            out[f"{kind}_zero"] = "both" if both else "first"
     return out
 
 
@@ -221,7 +241,7 @@ def control_table(results: Path, n_levels: int = 8) -> str:
 
         def fmt(kind: str) -> str:
             if r.get(f"{kind}_zero"):
-                return "0 on both sides"
+                return "0 on both sides" if r[f"{kind}_zero"] == "both" else "0 (the first moved none)"
             if kind not in r:
                 return "not split"
             seeds = r[f"{kind}_seeds"]
