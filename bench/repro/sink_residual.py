@@ -16,6 +16,7 @@ residual's own output, whether or not an update gate masked it in training (answ
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -28,13 +29,14 @@ from .config import load_repro_config
 
 
 def find_atlas(folder: Path, sha256: str):
-    """The atlas in `folder` whose file has `sha256` (the one the adapter was trained with)."""
+    """The atlas in `folder` whose file has `sha256` (the one the adapter was trained with): found by the
+    manifests, so only that atlas is read (and verified)."""
     from atlas_core.atlas import Atlas
+    from atlas_core.io import manifest_path
 
     for path in sorted(folder.glob("*.safetensors")):
-        atlas = Atlas.load(path)
-        if atlas.sha256 == sha256:
-            return atlas
+        if json.loads(manifest_path(path).read_text()).get("sha256") == sha256:
+            return Atlas.load(path)
     raise SystemExit(f"--atlases: no atlas with sha256 {sha256} in {folder}")
 
 
@@ -53,7 +55,7 @@ def main() -> None:
     config = load_repro_config(args.config)
 
     from atlas_core.backbone import hidden_at_layer, load_backbone
-    from atlas_core.io import load_verified
+    from atlas_core.io import manifest_path
     from atlas_core.paths import state_dir
     from atlas_core.residual import load_adapter
     from evaluation.contexts import retained_prompts
@@ -70,8 +72,7 @@ def main() -> None:
     atlases = args.atlases or state_dir() / "repro" / "atlases"
     print(f"layer {config.layer} of {backbone.name}, {len(hidden)} GSM8K test contexts; median / max per kind")
     for path in args.adapters:
-        _, manifest = load_verified(path, kind="adapter")
-        atlas = find_atlas(atlases, manifest["atlas_sha256"])
+        atlas = find_atlas(atlases, json.loads(manifest_path(path).read_text())["atlas_sha256"])  # verified on load
         residual = load_adapter(path, atlas).eval()
         rows: dict[str, dict[str, list[torch.Tensor]]] = {"||h - nearest center||": {}, "||Delta(h)||": {}}
         with torch.no_grad():
