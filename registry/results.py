@@ -28,7 +28,7 @@ from registry.records import (
     GateDecisionInfo,
     finite_or_none,
 )
-from registry.rows import json_field, require_row
+from registry.rows import json_field, once_more_on_conflict, require_row
 
 CHURN_AGAINST = ("base", "release")
 
@@ -145,34 +145,40 @@ def record_answers(ledger: Ledger, version_id: int, answers: Iterable[AnswerReco
         if not isinstance(a.correct, bool):
             raise LedgerError(f"answer {key}: correct must be a bool, got {a.correct!r}")
         seen.add(key)
-    with ledger.transaction() as s:
-        require_row(s, ModelVersion, version_id, "model version")
-        stored = {
-            (r.dataset, r.question_id): r
-            for r in s.scalars(select(Answer).where(Answer.model_version_id == version_id))
-        }
-        added = 0
-        for a in answers:
-            old = stored.get((a.dataset, a.question_id))
-            if old is not None:
-                if (old.answer, old.correct) != (a.answer, a.correct):
-                    raise LedgerError(
-                        f"answer {(a.dataset, a.question_id)} of version {version_id}: already "
-                        f"stored as {old.answer!r} (correct={old.correct}), not {a.answer!r} "
-                        f"(correct={a.correct})"
+
+    def store() -> int:
+        with ledger.transaction() as s:
+            require_row(s, ModelVersion, version_id, "model version")
+            stored = {
+                (r.dataset, r.question_id): r
+                for r in s.scalars(select(Answer).where(Answer.model_version_id == version_id))
+            }
+            added = 0
+            for a in answers:
+                old = stored.get((a.dataset, a.question_id))
+                if old is not None:
+                    if (old.answer, old.correct) != (a.answer, a.correct):
+                        raise LedgerError(
+                            f"answer {(a.dataset, a.question_id)} of version {version_id}: already "
+                            f"stored as {old.answer!r} (correct={old.correct}), not {a.answer!r} "
+                            f"(correct={a.correct})"
+                        )
+                    continue
+                s.add(
+                    Answer(
+                        model_version_id=version_id,
+                        dataset=a.dataset,
+                        question_id=a.question_id,
+                        answer=a.answer,
+                        correct=a.correct,
                     )
-                continue
-            s.add(
-                Answer(
-                    model_version_id=version_id,
-                    dataset=a.dataset,
-                    question_id=a.question_id,
-                    answer=a.answer,
-                    correct=a.correct,
                 )
-            )
-            added += 1
-        return added
+                added += 1
+            return added
+
+    # Two workers evaluating against the same champion answer its questions at once: the one that
+    # commits second reads the other's rows on the retry and accepts them if they are the same.
+    return once_more_on_conflict(store)
 
 
 def get_answers(ledger: Ledger, version_id: int) -> dict[tuple[str, str], AnswerRecord]:

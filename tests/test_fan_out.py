@@ -152,7 +152,11 @@ def test_candidates_fan_out_over_two_workers_and_a_killed_one_fails_then_resumes
 
         pooled_decisions = _decisions(ledger_url, local["model"])
         local_decisions = _decisions(f"sqlite:///{here}/ledger.db", local["model"])
-        assert pooled_decisions.keys() == local_decisions.keys() and len(pooled_decisions) == 4  # 2 methods x 2 epochs
+        # 2 methods x 2 epochs; if one is missing, say why its candidate failed
+        assert pooled_decisions.keys() == local_decisions.keys() and len(pooled_decisions) == 4, (
+            f"pooled candidates: {_training_runs(ledger_url, 'tiny-code')}\n"
+            + "".join((tmp_path / f"worker{i}.log").read_text()[-3000:] for i in (0, 1, 2))
+        )
         for name, checks in pooled_decisions.items():
             assert [c[:2] for c in checks] == [c[:2] for c in local_decisions[name]], name
             for (check, _, a), (_, _, b) in zip(checks, local_decisions[name]):

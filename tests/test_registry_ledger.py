@@ -149,6 +149,42 @@ def test_evaluations_and_answers_round_trip(ledger, store):
         r.record_answers(ledger, v1.id, [answers[0], answers[0]])
 
 
+def test_two_workers_storing_the_same_answers_at_once_both_succeed(ledger, ledger_url, store):
+    """Two candidates on two workers answer the champion's questions at once and both record them: on
+    PostgreSQL both read "nothing stored" before either inserts (a barrier at the first INSERT makes it
+    so); the second to commit hits the unique key and must accept the first's identical rows."""
+    import threading
+
+    from sqlalchemy import event
+
+    _, (v1, _, _) = make_candidates(ledger, store, "org/tiny")
+    answers = [r.AnswerRecord("gsm8k", f"q{i}", str(i), i % 2 == 0) for i in range(50)]
+    both_read, passed = threading.Barrier(2, timeout=30), threading.local()
+
+    def hold_first_insert(conn, cursor, statement, *args) -> None:
+        if statement.startswith("INSERT INTO ledger_answers") and not getattr(passed, "done", False):
+            passed.done = True
+            both_read.wait()
+
+    if ledger_url.startswith("postgresql"):  # SQLite's BEGIN IMMEDIATE makes the second writer wait for the first
+        event.listen(ledger.engine, "before_cursor_execute", hold_first_insert)
+    results, errors = [], []
+
+    def worker() -> None:
+        try:
+            results.append(r.record_answers(ledger, v1.id, answers))
+        except Exception as e:  # the assertion below shows it
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and sorted(results) == [0, len(answers)], errors
+    assert r.get_answers(ledger, v1.id) == {("gsm8k", a.question_id): a for a in answers}
+
+
 @pytest.mark.parametrize(
     "bad, match",
     [

@@ -183,7 +183,10 @@ def test_budget_stops_and_resume_reproduces_uninterrupted_results(finished, tmp_
     root, _ = finished
     world = TinyWorld()
     sessions = 0
-    while not _run(tmp_path / "results", tmp_path / "state", world, minutes=0.0):  # stop after every unit
+    while True:
+        scored = world.calls["score_target"]
+        if _run(tmp_path / "results", tmp_path / "state", world, minutes=0.0):  # stop after every unit
+            break
         sessions += 1
         assert sessions < 60
         # A stop never falls between a run's last scored checkpoint and its record.
@@ -196,6 +199,7 @@ def test_budget_stops_and_resume_reproduces_uninterrupted_results(finished, tmp_
             if all((results / "sweep" / method / f"lr-{lr:g}.json").is_file() for lr in CONFIG["lr_grid"]):
                 assert (results / "lr" / f"{method}.json").is_file()
     assert sessions > 10  # it really was cut into many sessions
+    assert world.calls["score_target"] > scored  # the session that stores the last unit says it is complete
     assert world.calls["score_target"] == 3 * 2 * 2 + 1  # no unit was scored twice
     assert _unit_values(tmp_path / "results") == _unit_values(root / "results")
 

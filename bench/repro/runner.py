@@ -145,8 +145,7 @@ class Runner:
                     if not self.store.run_done(m.name, seed):
                         self.run_one(m.name, seed, self.store.chosen_lr(m.name))
         except BudgetSpent as e:
-            _log(f"stopping: {e}")
-            return False
+            _log(f"stopping: {e}")  # the stop may come right after the last unit
         return self.complete()
 
     def _between_checkpoints(self, _path: Path, state: dict) -> None:
