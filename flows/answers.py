@@ -102,8 +102,10 @@ def version_answers(
                 for q in ids
                 if q not in stored
             ]
-            record_answers(res.ledger, applied.version.id, new)
-            stored |= {a.question_id: a for a in new}
+            # Workers evaluating candidates at once decode the same champion: where another stored its
+            # answers first (other hardware may break near-ties differently), every candidate uses those.
+            record_answers(res.ledger, applied.version.id, new, keep_stored=True)
+            stored = {q: a for (d, q), a in get_answers(res.ledger, applied.version.id).items() if d == dataset}
         return {q: stored[q] for q in ids}
 
 

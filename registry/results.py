@@ -128,11 +128,13 @@ def latest_evaluation(ledger: Ledger, version_id: int) -> Optional[EvaluationInf
         )
 
 
-def record_answers(ledger: Ledger, version_id: int, answers: Iterable[AnswerRecord]) -> int:
+def record_answers(ledger: Ledger, version_id: int, answers: Iterable[AnswerRecord], keep_stored: bool = False) -> int:
     """Store a version's per-question answers (all or nothing); returns how many were stored.
 
     A question already answered by this version is accepted again only with the same
     answer, so re-running an interrupted evaluation is safe but silent rewrites are not.
+    `keep_stored`: a question already answered keeps its stored answer and a different one is
+    dropped, not refused (the first of several concurrent writers wins; nothing is rewritten).
     """
     answers = list(answers)
     seen: set[tuple[str, str]] = set()
@@ -157,7 +159,7 @@ def record_answers(ledger: Ledger, version_id: int, answers: Iterable[AnswerReco
             for a in answers:
                 old = stored.get((a.dataset, a.question_id))
                 if old is not None:
-                    if (old.answer, old.correct) != (a.answer, a.correct):
+                    if not keep_stored and (old.answer, old.correct) != (a.answer, a.correct):
                         raise LedgerError(
                             f"answer {(a.dataset, a.question_id)} of version {version_id}: already "
                             f"stored as {old.answer!r} (correct={old.correct}), not {a.answer!r} "

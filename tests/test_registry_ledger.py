@@ -147,18 +147,28 @@ def test_evaluations_and_answers_round_trip(ledger, store):
         assert len(s.scalars(select(Answer).where(Answer.model_version_id == v2.id)).all()) == 2
     with pytest.raises(r.LedgerError, match="given twice"):
         r.record_answers(ledger, v1.id, [answers[0], answers[0]])
+    # keep_stored: the stored answer wins (a concurrent worker's), the new question is added.
+    assert r.record_answers(ledger, v2.id, batch, keep_stored=True) == 1
+    assert r.get_answers(ledger, v2.id) == {("gsm8k", "q1"): answers[0], ("gsm8k", "q2"): answers[1]} | {
+        ("gsm8k", "q3"): batch[0]
+    }
 
 
-def test_two_workers_storing_the_same_answers_at_once_both_succeed(ledger, ledger_url, store):
+@pytest.mark.parametrize("keep_stored", [False, True])
+def test_two_workers_storing_answers_at_once_both_succeed(ledger, ledger_url, store, keep_stored):
     """Two candidates on two workers answer the champion's questions at once and both record them: on
     PostgreSQL both read "nothing stored" before either inserts (a barrier at the first INSERT makes it
-    so); the second to commit hits the unique key and must accept the first's identical rows."""
+    so); the second to commit hits the unique key and must accept the first's rows. Identical answers
+    are accepted either way; with keep_stored the second's different answers give way, all of them."""
     import threading
 
     from sqlalchemy import event
 
     _, (v1, _, _) = make_candidates(ledger, store, "org/tiny")
-    answers = [r.AnswerRecord("gsm8k", f"q{i}", str(i), i % 2 == 0) for i in range(50)]
+    mine = [r.AnswerRecord("gsm8k", f"q{i}", str(i), i % 2 == 0) for i in range(50)]
+    theirs = (
+        [r.AnswerRecord(a.dataset, a.question_id, f"{a.answer}0", a.correct) for a in mine] if keep_stored else mine
+    )
     both_read, passed = threading.Barrier(2, timeout=30), threading.local()
 
     def hold_first_insert(conn, cursor, statement, *args) -> None:
@@ -168,21 +178,22 @@ def test_two_workers_storing_the_same_answers_at_once_both_succeed(ledger, ledge
 
     if ledger_url.startswith("postgresql"):  # SQLite's BEGIN IMMEDIATE makes the second writer wait for the first
         event.listen(ledger.engine, "before_cursor_execute", hold_first_insert)
-    results, errors = [], []
+    results, errors = {}, []
 
-    def worker() -> None:
+    def worker(answers) -> None:
         try:
-            results.append(r.record_answers(ledger, v1.id, answers))
+            results[id(answers)] = r.record_answers(ledger, v1.id, answers, keep_stored=keep_stored)
         except Exception as e:  # the assertion below shows it
             errors.append(e)
 
-    threads = [threading.Thread(target=worker) for _ in range(2)]
+    threads = [threading.Thread(target=worker, args=(answers,)) for answers in (mine, list(theirs))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert not errors and sorted(results) == [0, len(answers)], errors
-    assert r.get_answers(ledger, v1.id) == {("gsm8k", a.question_id): a for a in answers}
+    assert not errors and sorted(results.values()) == [0, len(mine)], errors
+    first = mine if results[id(mine)] else theirs
+    assert r.get_answers(ledger, v1.id) == {("gsm8k", a.question_id): a for a in first}
 
 
 @pytest.mark.parametrize(
