@@ -61,6 +61,7 @@ CONTROLS = [
     Control(
         "common mode, weight adapter: LoRA on x - mu vs Weight-LoRA", f"{COMMON}/centered-lora", f"{MAIN}/weight-lora"
     ),
+    Control("full ATLAS vs O-LoRA", f"{MAIN}/atlas", f"{MAIN}/o-lora"),
     Control("common mode, O-LoRA: centered vs uncentered covariance", f"{COMMON}/o-lora-centered", f"{MAIN}/o-lora"),
     Control("full ATLAS vs LoRA on x - mu", f"{MAIN}/atlas", f"{COMMON}/centered-lora"),
     Control("full ATLAS vs O-LoRA on the centered covariance", f"{MAIN}/atlas", f"{COMMON}/o-lora-centered"),
