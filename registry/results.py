@@ -179,7 +179,7 @@ def record_answers(ledger: Ledger, version_id: int, answers: Iterable[AnswerReco
             return added
 
     # Two workers evaluating against the same champion answer its questions at once: the one that
-    # commits second reads the other's rows on the retry and accepts them if they are the same.
+    # commits second reads the other's rows on the retry (same answers, or keep_stored: accepted).
     return once_more_on_conflict(store)
 
 
