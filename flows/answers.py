@@ -94,7 +94,11 @@ def version_answers(
     from registry import AnswerRecord, get_answers, record_answers
 
     with scope(ctx.platform) as res:
-        stored = {q: a for (d, q), a in get_answers(res.ledger, applied.version.id).items() if d == dataset}
+
+        def read() -> dict:
+            return {q: a for (d, q), a in get_answers(res.ledger, applied.version.id).items() if d == dataset}
+
+        stored = read()
         if any(q not in stored for q in ids):
             fresh = _generate(res, ctx, applied, kind, batch_size)
             new = [
@@ -105,7 +109,7 @@ def version_answers(
             # Workers evaluating candidates at once decode the same champion: where another stored its
             # answers first (other hardware may break near-ties differently), every candidate uses those.
             record_answers(res.ledger, applied.version.id, new, keep_stored=True)
-            stored = {q: a for (d, q), a in get_answers(res.ledger, applied.version.id).items() if d == dataset}
+            stored = read()
         return {q: stored[q] for q in ids}
 
 
