@@ -13,9 +13,11 @@ import torch
 
 from atlas_core.atlas import AtlasConfig, fit_atlas
 from atlas_core.extract import sample_activations
+from atlas_core.typed_config import ConfigError
 from bench.repro import runner as runner_module
 from bench.repro.config import repro_from_dict
 from bench.repro.report import write_report
+from bench.repro.run import main as run_main
 from bench.repro.runner import Budget, Runner
 from bench.repro.store import ResultStore, StaleResults
 from bench.repro.workload import TargetScore, Workload
@@ -267,6 +269,29 @@ def test_added_method_and_seed_train_only_what_is_new(finished, tmp_path, monkey
         Budget(None),
     ).run()
     assert trained == [(m, 2) for m in grown["methods"]]  # a new seed: only its runs, no sweep again
+
+
+def test_methods_option_trains_only_the_named_methods_new_seeds(finished, tmp_path):
+    root, _ = finished
+    shutil.copytree(root / "results", tmp_path / "results")
+    config = repro_from_dict({**CONFIG, "seeds": [0, 1, 2]})
+    with pytest.raises(ConfigError, match="'lora'"):  # a misspelt name: refused before any work
+        Runner(config, tmp_path / "results", tmp_path / "state", TinyWorld(), Budget(None)).run(["lora"])
+    world = TinyWorld()
+    runner = Runner(config, tmp_path / "results", tmp_path / "state", world, Budget(None))
+    assert runner.run(["plain"])  # complete for the method it was asked to run
+    assert world.calls["score_target"] == 2  # plain's seed 2 (2 checkpoints), nothing of atlas or weight-lora
+    store = ResultStore.of(config, tmp_path / "results")
+    assert store.run_done("plain", 2) and not store.run_done("atlas", 2) and not store.run_done("weight-lora", 2)
+    assert not runner.complete()  # the experiment as a whole still misses their seed 2
+
+
+def test_run_command_refuses_an_unknown_method_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run_main(["--config", "configs/repro/smollm2.yaml", "--results", str(tmp_path), "--methods", "lora"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "methods: ['lora'] are not among this experiment's methods" in error and "weight-lora" in error
 
 
 def test_atlas_refit_on_another_cpu_is_accepted_only_if_it_is_the_same_fit(tmp_path):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -52,6 +52,7 @@ from atlas_core.train import (
 )
 from atlas_core.train.objectives import mean_loss
 from atlas_core.train.update_gate import UpdateGate, assistant_header
+from atlas_core.typed_config import ConfigError
 from evaluation.kl import RetainedKL, prompt_token_counts
 
 from .config import ReproConfig
@@ -116,18 +117,25 @@ class Runner:
         self._unit_clock = _Clock()
 
     # ------------------------------------------------------------------ plan
-    def complete(self) -> bool:
+    def complete(self, only: Collection[str] | None = None) -> bool:
+        """Every unit stored (of the methods named in `only`, when given)."""
         c, s = self.config, self.store
+        methods = [m.name for m in c.methods if only is None or m.name in only]
         return (
             s.read(s.base_path()) is not None
-            and all(s.chosen_lr(m.name) is not None for m in c.methods)
-            and all(s.run_done(m.name, seed) for seed in c.seeds for m in c.methods)
+            and all(s.chosen_lr(m) is not None for m in methods)
+            and all(s.run_done(m, seed) for seed in c.seeds for m in methods)
         )
 
-    def run(self) -> bool:
-        """Do every missing unit (within the budget); True when the experiment is complete."""
+    def run(self, only: Collection[str] | None = None) -> bool:
+        """Do every missing unit (within the budget), or only those of the methods named in `only`;
+        True when every unit (of those methods) is stored."""
         self.store.check_experiment(self.config.to_dict())
-        if self.complete():
+        names = [m.name for m in self.config.methods]
+        unknown = sorted(set(only or ()) - set(names))
+        if unknown:
+            raise ConfigError(f"methods: {unknown} are not among this experiment's methods {names}")
+        if self.complete(only):
             _log("all units are stored: nothing to train or score")
             return True
         self.w = self.make_workload()
@@ -140,13 +148,15 @@ class Runner:
                 self.base()
             for seed in self.config.seeds:
                 for m in self.config.methods:
+                    if only is not None and m.name not in only:
+                        continue
                     if self.store.chosen_lr(m.name) is None:  # only before its first seed
                         self.sweep(m.name)
                     if not self.store.run_done(m.name, seed):
                         self.run_one(m.name, seed, self.store.chosen_lr(m.name))
         except BudgetSpent as e:
             _log(f"stopping: {e}")  # the stop may come right after the last unit
-        return self.complete()
+        return self.complete(only)
 
     def _between_checkpoints(self, _path: Path, state: dict) -> None:
         """A budget stop may fall between checkpoints, but not between a run's final checkpoint
