@@ -292,6 +292,7 @@ def test_run_command_refuses_an_unknown_method_in_one_line(tmp_path, capsys):
     assert exit_.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "methods: ['lora'] are not among this experiment's methods" in error and "weight-lora" in error
+    assert not any(tmp_path.iterdir())  # refused before anything was recorded
 
 
 def test_atlas_refit_on_another_cpu_is_accepted_only_if_it_is_the_same_fit(tmp_path):

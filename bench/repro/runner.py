@@ -130,11 +130,11 @@ class Runner:
     def run(self, only: Collection[str] | None = None) -> bool:
         """Do every missing unit (within the budget), or only those of the methods named in `only`;
         True when every unit (of those methods) is stored."""
-        self.store.check_experiment(self.config.to_dict())
         names = [m.name for m in self.config.methods]
         unknown = sorted(set(only or ()) - set(names))
         if unknown:
             raise ConfigError(f"methods: {unknown} are not among this experiment's methods {names}")
+        self.store.check_experiment(self.config.to_dict())
         if self.complete(only):
             _log("all units are stored: nothing to train or score")
             return True
