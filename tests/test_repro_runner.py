@@ -13,6 +13,7 @@ import torch
 
 from atlas_core.atlas import AtlasConfig, fit_atlas
 from atlas_core.extract import sample_activations
+from atlas_core.paths import PROJECT_ROOT
 from atlas_core.typed_config import ConfigError
 from bench.repro import runner as runner_module
 from bench.repro.config import repro_from_dict
@@ -288,7 +289,16 @@ def test_methods_option_trains_only_the_named_methods_new_seeds(finished, tmp_pa
 
 def test_run_command_refuses_an_unknown_method_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        run_main(["--config", "configs/repro/smollm2.yaml", "--results", str(tmp_path), "--methods", "lora"])
+        run_main(
+            [
+                "--config",
+                str(PROJECT_ROOT / "configs/repro/smollm2.yaml"),
+                "--results",
+                str(tmp_path),
+                "--methods",
+                "lora",
+            ]
+        )
     assert exit_.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "methods: ['lora'] are not among this experiment's methods" in error and "weight-lora" in error
