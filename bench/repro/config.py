@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -180,6 +181,15 @@ class ReproConfig:
 
     def method(self, name: str) -> MethodSpec:
         return next(m for m in self.methods if m.name == name)
+
+    def method_names(self, only: Collection[str] | None = None) -> list[str]:
+        """The methods' names in the experiment's order, or those of them named in `only`; a name
+        in `only` that is not a method is refused."""
+        names = [m.name for m in self.methods]
+        unknown = sorted(set(only or ()) - set(names))
+        if unknown:
+            raise ConfigError(f"methods: {unknown} are not among this experiment's methods {names}")
+        return [n for n in names if only is None or n in only]
 
     def run_config(self, name: str, seed: int, lr: float) -> RunConfig:
         """The method's training config with this experiment's backbone, layer, rank, epochs,

@@ -27,6 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from atlas_core.paths import state_dir
 from atlas_core.train import list_checkpoints, read_state
+from atlas_core.typed_config import ConfigError
 
 from .config import load_repro_config
 from .runner import Runner, _log, default_results
@@ -119,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     config = load_repro_config(args.config)
-    unknown = sorted(set(args.methods) - {m.name for m in config.methods})
-    if unknown:
-        parser.error(f"--methods: {unknown} not in {args.config} (methods: {[m.name for m in config.methods]})")
+    try:
+        config.method_names(args.methods)
+    except ConfigError as e:
+        parser.error(f"{args.config}: {e}")
     state = state_dir() / "repro" / config.name
     replay = KLReplay(config, args.results or default_results(config), state, lambda: default_workload(config, state))
     replay.tolerance = args.tolerance

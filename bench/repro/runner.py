@@ -52,7 +52,6 @@ from atlas_core.train import (
 )
 from atlas_core.train.objectives import mean_loss
 from atlas_core.train.update_gate import UpdateGate, assistant_header
-from atlas_core.typed_config import ConfigError
 from evaluation.kl import RetainedKL, prompt_token_counts
 
 from .config import ReproConfig
@@ -119,21 +118,17 @@ class Runner:
     # ------------------------------------------------------------------ plan
     def complete(self, only: Collection[str] | None = None) -> bool:
         """Every unit stored (of the methods named in `only`, when given)."""
-        c, s = self.config, self.store
-        methods = [m.name for m in c.methods if only is None or m.name in only]
+        s, methods = self.store, self.config.method_names(only)
         return (
             s.read(s.base_path()) is not None
             and all(s.chosen_lr(m) is not None for m in methods)
-            and all(s.run_done(m, seed) for seed in c.seeds for m in methods)
+            and all(s.run_done(m, seed) for seed in self.config.seeds for m in methods)
         )
 
     def run(self, only: Collection[str] | None = None) -> bool:
         """Do every missing unit (within the budget), or only those of the methods named in `only`;
         True when every unit (of those methods) is stored."""
-        names = [m.name for m in self.config.methods]
-        unknown = sorted(set(only or ()) - set(names))
-        if unknown:
-            raise ConfigError(f"methods: {unknown} are not among this experiment's methods {names}")
+        methods = self.config.method_names(only)  # refuses an unknown name before anything is recorded
         self.store.check_experiment(self.config.to_dict())
         if self.complete(only):
             _log("all units are stored: nothing to train or score")
@@ -147,13 +142,11 @@ class Runner:
             if self.store.read(self.store.base_path()) is None:
                 self.base()
             for seed in self.config.seeds:
-                for m in self.config.methods:
-                    if only is not None and m.name not in only:
-                        continue
-                    if self.store.chosen_lr(m.name) is None:  # only before its first seed
-                        self.sweep(m.name)
-                    if not self.store.run_done(m.name, seed):
-                        self.run_one(m.name, seed, self.store.chosen_lr(m.name))
+                for method in methods:
+                    if self.store.chosen_lr(method) is None:  # only before its first seed
+                        self.sweep(method)
+                    if not self.store.run_done(method, seed):
+                        self.run_one(method, seed, self.store.chosen_lr(method))
         except BudgetSpent as e:
             _log(f"stopping: {e}")  # the stop may come right after the last unit
         return self.complete(only)
