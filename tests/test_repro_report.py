@@ -157,6 +157,42 @@ def test_common_levels_are_those_every_method_reaches(results):
     assert "| atlas vs narrow | 12-13 (2) |" in common
 
 
+def test_target_table_gives_each_runs_lowest_kl_at_the_fixed_targets(results):
+    """Targets NLL <= 0.75 and 70% of 20 problems (14 solved): seed 1 of atlas reaches the NLL target
+    (0.7, KL .03) but not 14 solved; every other run reaches both at its KL-.04/.08/.06 checkpoint."""
+    path = results / "experiment.json"
+    stored = json.loads(path.read_text())
+    stored["config"]["targets"] = {"heldout_nll": 0.75, "mbpp_plus_share": 0.7}
+    path.write_text(json.dumps(stored))
+    table = write_report(results).split("#### Lowest KL at fixed targets")[1].split("####")[0]
+    assert "held-out NLL <= 0.75: seeds reaching" in table and "MBPP+ >= 14/20: seeds reaching" in table
+    # NLL: atlas .04 (s0), .03 (s1); plain .08, .06 -> ratio .5 in both seeds; solved: atlas only s0
+    atlas_kl = math.sqrt(0.04 * 0.03)
+    assert f"| atlas | 2/2 | {atlas_kl:.4g} | - | 1/2 | 0.04 | - |" in table
+    assert (
+        f"| plain | 2/2 | {math.sqrt(0.08 * 0.06):.4g} | 0.500 (2) | 2/2 | {math.sqrt(0.08 * 0.06):.4g} | 0.500 (1) |"
+        in table
+    )
+    stored["config"]["targets"] = {"heldout_nll": 0.5}  # no run gets that low
+    path.write_text(json.dumps(stored))
+    table = write_report(results).split("#### Lowest KL at fixed targets")[1]
+    assert "| plain | 0/2 | not reached | - | 2/2 |" in table  # default share 0.1875 of 20: 4 solved
+
+
+def test_targets_count_problems_as_the_issue_does():
+    from bench.repro.config import TargetSpec
+
+    assert TargetSpec().solved(32) == 6 and TargetSpec().solved(224) == 42 and TargetSpec().solved(20) == 4
+    assert TargetSpec(mbpp_plus_share=0.07).solved(100) == 7  # 0.07 * 100 is 7.000000000000001 in floats
+    with pytest.raises(ConfigError, match="targets.mbpp_plus_share: expected a share in"):
+        repro_from_dict({**GOOD, "targets": {"mbpp_plus_share": 6}})
+    with pytest.raises(ConfigError, match="targets.heldout_nll: expected a positive NLL"):
+        repro_from_dict({**GOOD, "targets": {"heldout_nll": 0}})
+    assert (
+        repro_from_dict({**GOOD, "targets": {"heldout_nll": 0.8}}).fingerprint() == repro_from_dict(GOOD).fingerprint()
+    )
+
+
 def test_docs_section_is_replaced_in_place(tmp_path):
     doc = tmp_path / "RESULTS.md"
     doc.write_text("# Results\n\nintro\n")
@@ -243,7 +279,11 @@ def test_methods_without_results_are_listed_as_not_run_yet(results):
     )
     text = write_report(results)
     assert "| atlas vs lora-null | not run yet (lora-null) | | | | |" in text  # every comparison table
-    assert text.count("not run yet (lora-null)") == 4 and "Not run yet: lora-null." in text
+    assert (
+        text.count("not run yet (lora-null)") == 4
+        and "| lora-null |" not in text.split("fixed targets")[1]
+        and "Not run yet: lora-null." in text
+    )
     assert "| lora-null | - | 0 | not run yet | | | |" in text and "| lora-null | - | - | - |" in text
     assert "Finished runs: 4 of 6" in text and "| atlas vs plain | 11-13 (3) |" in text
 

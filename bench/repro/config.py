@@ -9,6 +9,7 @@
       reference, extra_pairs                    which methods the report compares
       atlas: AtlasSpec                          how the retained atlas is fitted (once per experiment)
       eval: EvalSpec                            the fixed subsets every checkpoint is scored on
+      targets: TargetSpec                       fixed targets the report gives each method's lowest KL at
 
 `load_repro_config(path)` validates the file; errors name the field, e.g.
 `configs/repro/x.yaml: eval.kl_contexts: expected a positive integer, got 0`.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -120,6 +122,33 @@ class EvalSpec:
         )
 
 
+@dataclass
+class TargetSpec:
+    """Fixed targets of the report's target table (issue 32: NLL <= 0.84, MBPP+ >= 6 of 32). What the
+    report compares, not what a unit computes: not in SHARED, so changing them stales no result."""
+
+    heldout_nll: float = field(
+        default=0.84, metadata={"help": "A checkpoint reaches the NLL target if its held-out NLL is at most this."}
+    )
+    mbpp_plus_share: float = field(
+        default=0.1875,
+        metadata={
+            "help": "A checkpoint reaches the MBPP+ target if it solves (plus tests) at least this share of the "
+            "scored problems, rounded up: 0.1875 is 6 of 32, 42 of 224."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not self.heldout_nll > 0:
+            raise ConfigError(f"heldout_nll: expected a positive NLL, got {self.heldout_nll!r}")
+        if not 0 < self.mbpp_plus_share <= 1:
+            raise ConfigError(f"mbpp_plus_share: expected a share in (0, 1], got {self.mbpp_plus_share!r}")
+
+    def solved(self, n: int) -> int:
+        """The MBPP+ target as a count of `n` scored problems (the tolerance keeps 6/32 at 6)."""
+        return math.ceil(self.mbpp_plus_share * n - 1e-9)
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     name: str  # label in results and tables
@@ -148,6 +177,7 @@ class ReproConfig:
     extra_pairs: list[str] = field(default_factory=list)  # further "method:baseline" comparisons
     atlas: AtlasSpec = field(default_factory=AtlasSpec)
     eval: EvalSpec = field(default_factory=EvalSpec)
+    targets: TargetSpec = field(default_factory=TargetSpec)
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -222,8 +252,8 @@ class ReproConfig:
         return {m.name: method_fingerprint(shared, method_identity(m.config)) for m in self.methods}
 
 
-# What changes what any unit computes. Not: the methods and seeds (both may grow), reference and
-# extra_pairs (what the report compares), name (the folder).
+# What changes what any unit computes. Not: the methods and seeds (both may grow), reference,
+# extra_pairs and targets (what the report compares), name (the folder).
 SHARED = (
     "backbone",
     "dtype",
@@ -320,6 +350,7 @@ def repro_from_dict(data) -> ReproConfig:
     data.pop("extra_pairs", None)
     atlas = build(AtlasSpec, data.pop("atlas", None), "atlas")
     evaluation = build(EvalSpec, data.pop("eval", None), "eval")
+    targets = build(TargetSpec, data.pop("targets", None), "targets")
     scalars = {
         "name": str,
         "backbone": str,
@@ -337,7 +368,14 @@ def repro_from_dict(data) -> ReproConfig:
         if isinstance(value, bool) or not isinstance(value, kind):
             raise ConfigError(f"{key}: expected {'an integer' if kind is int else 'a string'}, got {value!r}")
     return ReproConfig(
-        methods=specs, seeds=seeds, lr_grid=grid, extra_pairs=pairs, atlas=atlas, eval=evaluation, **data
+        methods=specs,
+        seeds=seeds,
+        lr_grid=grid,
+        extra_pairs=pairs,
+        atlas=atlas,
+        eval=evaluation,
+        targets=targets,
+        **data,
     )
 
 
