@@ -44,6 +44,7 @@ MAIN = "smollm2-l15"
 MEAN, RESPONSE, CSQA = "smollm2-l15-mean", "smollm2-l15-response-atlas", "smollm2-l15-csqa-atlas"
 COMMON, OWN, ANSWER = "smollm2-l15-common-mode", "smollm2-l15-own-objective", "smollm2-l15-answer-only"
 SINK, SINK_ANSWER = "smollm2-l15-after-first-atlas", "smollm2-l15-after-first-answer-only"
+RES, RES_OWN = "smollm2-l15-resolution", "smollm2-l15-resolution-own-objective"
 # The paper's ratios (spec section 7, Qwen3-8B): centering -38.4% vs plain; full ATLAS -4.6% vs centering, -13.0%
 # vs Weight-LoRA.
 PAPER_CENTERING, PAPER_ATLAS_VS_CENTERED, PAPER_ATLAS_VS_LORA = 1 - 0.384, 1 - 0.046, 1 - 0.130
@@ -134,6 +135,15 @@ CONTROLS = [
     Control("TALR: rate by its own objective vs by CE", f"{OWN}/talr", f"{MAIN}/talr"),
     Control("full ATLAS vs STM at its own objective's rate", f"{MAIN}/atlas", f"{OWN}/stm"),
     Control("full ATLAS vs TALR at its own objective's rate", f"{MAIN}/atlas", f"{OWN}/talr"),
+    # The main comparisons at the resolution issue 32 asks for (224 MBPP+, 256 KL contexts, 3 checkpoints an
+    # epoch, lr 1e-4..2e-2; configs/repro/resolution*.yaml), filled in as its runs finish over sessions.
+    Control("resolution: full ATLAS vs Weight-LoRA", f"{RES}/atlas", f"{RES}/weight-lora", PAPER_ATLAS_VS_LORA),
+    Control("resolution: centering", f"{RES}/centered", f"{RES}/plain", PAPER_CENTERING),
+    Control("resolution: full ATLAS vs centering", f"{RES}/atlas", f"{RES}/centered", PAPER_ATLAS_VS_CENTERED),
+    Control("resolution: full ATLAS vs STM (rate by CE)", f"{RES}/atlas", f"{RES}/stm"),
+    Control("resolution: full ATLAS vs TALR (rate by CE)", f"{RES}/atlas", f"{RES}/talr"),
+    Control("resolution: full ATLAS vs STM (rate by its own objective)", f"{RES}/atlas", f"{RES_OWN}/stm"),
+    Control("resolution: full ATLAS vs TALR (rate by its own objective)", f"{RES}/atlas", f"{RES_OWN}/talr"),
 ]
 
 
