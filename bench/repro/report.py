@@ -147,8 +147,10 @@ def target_table(r: dict) -> str:
             mine = {s: lowest[(m, s)] for s in seeds if (m, s) in lowest}
             both = [s for s in mine if (reference, s) in lowest]
             kl = f"{_geomean(mine.values()):.4g}" if mine else "not reached"
-            ratio = "-" if m == reference or not both else _geomean(lowest[(reference, s)] / mine[s] for s in both)
-            cells[m] += [f"{len(mine)}/{len(seeds)}", kl, ratio if ratio == "-" else f"{ratio:.3f} ({len(both)})"]
+            ratio = "-"
+            if m != reference and both:
+                ratio = f"{_geomean(lowest[(reference, s)] / mine[s] for s in both):.3f} ({len(both)})"
+            cells[m] += [f"{len(mine)}/{len(seeds)}", kl, ratio]
     head = "| method | " + " | ".join(
         f"{name}: seeds reaching | lowest KL | {reference} / method (seeds)" for *_, name in kinds
     )
