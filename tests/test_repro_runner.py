@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -240,6 +241,30 @@ def test_lost_state_dir_retrains_but_does_not_rescore(finished, tmp_path):
     assert _run(tmp_path / "results", tmp_path / "state", world)
     assert world.calls["score_target"] == 1  # only the missing unit
     assert _unit_values(tmp_path / "results") == _unit_values(root / "results")
+
+
+def test_train_seconds_cover_the_training_of_their_checkpoint_and_only_that(tmp_path, monkeypatch):
+    """Every trained checkpoint's `train` lap holds its training; a first seed's run scores the
+    checkpoints its sweep wrote at the chosen rate, which cost no training then, so they have none."""
+    real_train, pause = runner_module.train, 0.3
+
+    def slow_train(*args, on_checkpoint, **kwargs):
+        def checkpoint(path, state):
+            time.sleep(pause)  # stands in for the training steps before this checkpoint
+            on_checkpoint(path, state)
+
+        return real_train(*args, on_checkpoint=checkpoint, **kwargs)
+
+    monkeypatch.setattr(runner_module, "train", slow_train)
+    config = repro_from_dict({**CONFIG, "methods": {"plain": CONFIG["methods"]["plain"]}, "reference": "plain"})
+    assert Runner(config, tmp_path / "results", tmp_path / "state", TinyWorld(), Budget(None)).run()
+    units = [json.loads(p.read_text()) for p in sorted((tmp_path / "results" / "units" / "plain").glob("*.json"))]
+    assert {u["seed"] for u in units} == {0, 1}
+    for u in units:
+        if u["seed"] == 0:
+            assert "train" not in u["seconds"] and "train" not in u["cpu_seconds"]
+        else:
+            assert u["seconds"]["train"] >= pause
 
 
 def test_other_configuration_is_refused(finished, tmp_path):

@@ -255,7 +255,9 @@ def cost_table(r: dict) -> str:
         lines.append(f"| training, per epoch | {len(per_epoch)} runs | {mean(per_epoch)} | - |")
     return (
         "\n".join(lines) + "\n(`train`: wall time from the previous unit to this checkpoint: training, validation, "
-        "checkpoint writing, and for a run's first checkpoint its setup.)\n"
+        "checkpoint writing, and for a run's first checkpoint its setup; only checkpoints trained in their own unit: "
+        "a first seed's run scores the checkpoints its sweep wrote at the chosen rate, whose training is in the "
+        "per-epoch row.)\n"
     )
 
 

@@ -401,16 +401,17 @@ class Runner:
         rc, steps = self._train_config(method, seed, lr)
         run_dir = self._run_dir(method, seed, lr)
 
-        def score(path: Path, state: dict) -> None:
+        def score(path: Path, state: dict, trained_here: bool = True) -> None:
             step = state["step"]
             if self.store.read(self.store.unit_path(method, seed, step)) is not None:
                 return
             self._unit_clock.lap("train")  # training since the previous unit (with validation and checkpoint)
             record = self._score(adapter, final=state["finished"])
-            record["seconds"]["train"], record["cpu_seconds"]["train"] = (
-                self._unit_clock.wall["train"],
-                self._unit_clock.cpu["train"],
-            )
+            if trained_here:  # one written before (the sweep's at this rate, an ended session's) cost none now
+                record["seconds"]["train"], record["cpu_seconds"]["train"] = (
+                    self._unit_clock.wall["train"],
+                    self._unit_clock.cpu["train"],
+                )
             self.store.write(
                 self.store.unit_path(method, seed, step),
                 {
@@ -433,11 +434,12 @@ class Runner:
             self._between_checkpoints(path, state)
 
         with self._adapter(rc) as adapter:
-            for path in list_checkpoints(run_dir):  # written but not scored when an earlier session ended
+            # written but not scored: by the sweep (seed 0 at the chosen rate), or when an earlier session ended
+            for path in list_checkpoints(run_dir):
                 state = read_state(path)
                 if self.store.read(self.store.unit_path(method, seed, state["step"])) is None:
                     adapter.load_weights(path / "adapter.safetensors")
-                    score(path, state)
+                    score(path, state, trained_here=False)
             summary = self._train(rc, adapter, run_dir, score)
         self.store.write(
             self.store.run_path(method, seed),
