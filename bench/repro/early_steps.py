@@ -43,7 +43,7 @@ def early_steps(runner: Runner, method: str, every: int) -> tuple[list[tuple[int
     with runner._adapter(rc) as adapter:
 
         def score(_path: Path, state: dict) -> None:
-            nll, moved = runner.heldout_nll(adapter), runner.retained_kl(adapter)
+            nll, moved = runner.scorer.heldout_nll(adapter), runner.scorer.retained_kl(adapter)
             rows.append((state["step"], nll, moved.mean))
             print(f"  step {state['step']:3d}  NLL {nll:.4f}  KL {moved.mean:.3e}", flush=True)
 

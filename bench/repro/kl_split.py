@@ -78,7 +78,7 @@ class KLReplay(Runner):
                     f"{self.store.unit_path(method, seed, state['step'])}: replay validation loss {val:.6f}, "
                     f"stored {stored_val:.6f} (relative tolerance {self.tolerance:g}): not the scored run"
                 )
-            split = self.retained_kl(adapter).to_record()
+            split = self.scorer.retained_kl(adapter).to_record()
             if split["positions"] != unit["kl"]["positions"]:
                 raise ReplayMismatch(
                     f"{self.store.unit_path(method, seed, state['step'])}: KL over {split['positions']} positions, "

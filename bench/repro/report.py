@@ -256,8 +256,8 @@ def cost_table(r: dict) -> str:
     return (
         "\n".join(lines) + "\n(`train`: wall time from the previous unit to this checkpoint: training, validation, "
         "checkpoint writing, and for a run's first checkpoint its setup; only checkpoints trained in their own unit: "
-        "a first seed's run scores the checkpoints its sweep wrote at the chosen rate, whose training is in the "
-        "per-epoch row.)\n"
+        "a first seed's run scores the checkpoints its sweep wrote at the chosen rate, and a resumed run those an "
+        "ended session wrote, whose training is in the per-epoch row.)\n"
     )
 
 

@@ -26,17 +26,15 @@ when the time used, or the time used plus that unit's duration, exceeds the budg
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Collection
-from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, replace
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from atlas_core.paths import PROJECT_ROOT, state_dir
-from atlas_core.residual import ResidualConfig, attach, build_residual
+from atlas_core.residual import ResidualConfig, build_residual
 from atlas_core.train import (
-    PrefixCache,
     ResidualAdapter,
     TrainingDiverged,
     WeightLoRA,
@@ -50,11 +48,11 @@ from atlas_core.train import (
     sweep_learning_rate,
     train,
 )
-from atlas_core.train.objectives import mean_loss
 from atlas_core.train.update_gate import UpdateGate, assistant_header
-from evaluation.kl import RetainedKL, prompt_token_counts
+from evaluation.kl import prompt_token_counts
 
 from .config import ReproConfig
+from .scoring import Clock, Scorer
 from .store import ResultStore, lr_tag
 from .workload import Workload, default_workload
 
@@ -110,10 +108,11 @@ class Runner:
         self.budget = budget or Budget(None)
         self.w: Workload | None = None
         self._data = None
-        self._caches: dict = {}  # (kind, layer) -> prefix caches / KL sets, reused by every run
+        self._scorer: Scorer | None = None
+        self._caches: dict = {}  # (kind, layer) -> training caches and retained statistics, reused by every run
         self._gate_checked = False  # update_positions answer: the header checked against the data once
         self._unit_started = 0.0
-        self._unit_clock = _Clock()
+        self._unit_clock = Clock()
 
     # ------------------------------------------------------------------ plan
     def complete(self, only: Collection[str] | None = None) -> bool:
@@ -138,7 +137,7 @@ class Runner:
             self.store.record_atlas(self.w.atlas.sha256, self.w.atlas.meta)
         try:
             self._unit_started = time.monotonic()
-            self._unit_clock = _Clock()
+            self._unit_clock = Clock()
             if self.store.read(self.store.base_path()) is None:
                 self.base()
             for seed in self.config.seeds:
@@ -159,7 +158,7 @@ class Runner:
             self._unit_done()
 
     def _unit_done(self) -> None:
-        self._unit_clock = _Clock()
+        self._unit_clock = Clock()
         now = time.monotonic()
         seconds, self._unit_started = now - self._unit_started, now
         self.budget.after_unit(seconds)
@@ -170,83 +169,18 @@ class Runner:
             self._data = prepare_data(self.w.tokenizer, self.w.train_pairs, train_config, val=self.w.val_pairs)
         return self._data
 
+    @property
+    def scorer(self) -> Scorer:
+        """Scores a checkpoint (bench/repro/scoring.py); its caches live as long as the workload."""
+        if self._scorer is None:
+            heldout_config = self.config.run_config(self.config.reference, 0, 1.0).train
+            self._scorer = Scorer(self.w, heldout_config, self.config.eval.kl_batch_size)
+        return self._scorer
+
     def _cached(self, key, build):
         if key not in self._caches:
             self._caches[key] = build()
         return self._caches[key]
-
-    def _heldout(self, layer: int | None):
-        """The held-out set (tokenised like training data) and its prefix cache at `layer`."""
-        data = self._cached(
-            "heldout",
-            lambda: prepare_data(
-                self.w.tokenizer, self.w.heldout_pairs, self.config.run_config(self.config.reference, 0, 1.0).train
-            ),
-        )
-        cache = (
-            None
-            if layer is None
-            else self._cached(
-                ("heldout", layer),
-                lambda: PrefixCache.build(self.w.model, data.train, layer, data.pad_id, self.config.eval.kl_batch_size),
-            )
-        )
-        return data, cache
-
-    def _kl(self, adapter) -> tuple[RetainedKL, list]:
-        """The KL contexts with their prefix cache at the adapter's cache layer and the base
-        model's reference (computed with the adapter switched off)."""
-        layer = adapter.cache_layer
-
-        def build():
-            kl = RetainedKL(
-                self.w.model,
-                self.w.tokenizer,
-                self.w.kl_contexts,
-                layer,
-                batch_size=self.config.eval.kl_batch_size,
-                progress=False,
-                prompts=self.w.kl_prompts,
-            )
-            with _frozen(adapter):
-                return kl, kl.reference()
-
-        return self._cached(("kl", layer), build)
-
-    # ------------------------------------------------------------------ scoring
-    def heldout_nll(self, adapter) -> float:
-        """Mean token NLL of the held-out reference solutions under the adapted model."""
-        data, cache = self._heldout(adapter.cache_layer)
-        return mean_loss(self.w.model, adapter, data.train, cache, data.pad_id, self.config.eval.kl_batch_size)
-
-    def retained_kl(self, adapter):
-        """KL(base || adapted) on the retained contexts (evaluation.kl's result: mean, positions, per context)."""
-        kl, reference = self._kl(adapter)
-        gate = getattr(adapter, "update_gate", None)
-        residual = adapter.residual if isinstance(adapter, ResidualAdapter) else None
-        return kl.kl(reference, residual, on_batch=None if gate is None else gate.set)
-
-    def _score(self, adapter, final: bool) -> dict:
-        w = self.w
-        clock = _Clock()
-        with _adapted(w.model, adapter):
-            target = w.score_target(w.model, w.tokenizer)
-        clock.lap("mbpp_plus")
-        nll = self.heldout_nll(adapter)
-        clock.lap("heldout_nll")
-        moved = self.retained_kl(adapter)
-        clock.lap("kl")
-        record = {
-            "mbpp_plus": asdict(target),
-            "heldout_nll": nll,
-            "kl": moved.to_record(),
-        }
-        if final:
-            with _adapted(w.model, adapter):
-                record["gsm8k_answers"] = _answers(w.answer_retained(w.model, w.tokenizer))
-            clock.lap("gsm8k")
-        record["seconds"], record["cpu_seconds"] = clock.wall, clock.cpu
-        return record
 
     def base(self) -> None:
         """The frozen model: a plain residual with B = 0 adds exactly nothing (Delta = B A h = 0)."""
@@ -256,7 +190,7 @@ class Runner:
                 ResidualConfig(variant="plain", layer=self.config.layer, rank=self.config.rank), self.w.model
             )
         )
-        record = self._score(zero, final=True)  # its KL is a check: exactly 0
+        record = self.scorer.score(zero, final=True)  # its KL is a check: exactly 0
         self.store.write(self.store.base_path(), {"kind": "base", **self.w.info, **record})
         self._unit_done()
 
@@ -406,7 +340,7 @@ class Runner:
             if self.store.read(self.store.unit_path(method, seed, step)) is not None:
                 return
             self._unit_clock.lap("train")  # training since the previous unit (with validation and checkpoint)
-            record = self._score(adapter, final=state["finished"])
+            record = self.scorer.score(adapter, final=state["finished"])
             if trained_here:  # one written before (the sweep's at this rate, an ended session's) cost none now
                 record["seconds"]["train"], record["cpu_seconds"]["train"] = (
                     self._unit_clock.wall["train"],
@@ -457,25 +391,6 @@ class Runner:
         self._unit_done()
 
 
-class _Clock:
-    """Wall and CPU seconds per phase. CPU time (this process and the EvalPlus children it
-    waited for) is what a phase costs when the shared machine is busy with other jobs."""
-
-    def __init__(self):
-        self.wall, self.cpu = {}, {}
-        self._mark = self._now()
-
-    @staticmethod
-    def _now() -> tuple[float, float]:
-        t = os.times()
-        return time.perf_counter(), t.user + t.system + t.children_user + t.children_system
-
-    def lap(self, name: str) -> None:
-        now = self._now()
-        self.wall[name], self.cpu[name] = round(now[0] - self._mark[0], 2), round(now[1] - self._mark[1], 2)
-        self._mark = now
-
-
 def _val_losses(checkpoints: list[str]) -> dict:
     return read_state(checkpoints[-1])["val_losses"] if checkpoints else {}
 
@@ -488,23 +403,9 @@ def _own_objective(summary) -> dict:
     return {"val_objective": state["val_objective"], "best_val_objective": summary.best_val_objective}
 
 
-def _answers(answers) -> list[dict]:
-    return [{"id": a.id, "answer": a.answer, "correct": bool(a.correct)} for a in answers]
-
-
 def _release(adapter) -> None:
     """Leave the model as the frozen backbone: the update gate's hooks off, a LoRA taken out."""
     if getattr(adapter, "update_gate", None) is not None:
         adapter.update_gate.detach()
     if isinstance(adapter, WeightLoRA):
         adapter.remove()
-
-
-def _adapted(model, adapter):
-    """The model as the adapter changes it: a residual is hooked in; LoRA already is."""
-    return attach(model, adapter.residual) if isinstance(adapter, ResidualAdapter) else nullcontext()
-
-
-def _frozen(adapter):
-    """The base model: LoRA switched off (a residual is never active outside `_adapted`)."""
-    return adapter.disabled() if isinstance(adapter, WeightLoRA) else nullcontext()
