@@ -312,6 +312,15 @@ def test_methods_option_trains_only_the_named_methods_new_seeds(finished, tmp_pa
     assert not runner.complete()  # the experiment as a whole still misses their seed 2
 
 
+def test_scoring_uses_the_workload_of_the_current_run(tmp_path):
+    runner = Runner(repro_from_dict(CONFIG), tmp_path / "results", tmp_path / "state", TinyWorld(), Budget(None))
+    runner.w = runner.make_workload()
+    first = runner.scorer
+    assert runner.scorer is first  # its caches (prefix caches, KL reference) kept while the workload is
+    runner.w = runner.make_workload()  # what each run() does: a second call has a new model
+    assert runner.scorer is not first and runner.scorer.w is runner.w
+
+
 def test_run_command_refuses_an_unknown_method_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         run_main(

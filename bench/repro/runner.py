@@ -172,7 +172,7 @@ class Runner:
     @property
     def scorer(self) -> Scorer:
         """Scores a checkpoint (bench/repro/scoring.py); its caches live as long as the workload."""
-        if self._scorer is None:
+        if self._scorer is None or self._scorer.w is not self.w:
             heldout_config = self.config.run_config(self.config.reference, 0, 1.0).train
             self._scorer = Scorer(self.w, heldout_config, self.config.eval.kl_batch_size)
         return self._scorer
