@@ -52,7 +52,7 @@ from atlas_core.train.update_gate import UpdateGate, assistant_header
 from evaluation.kl import prompt_token_counts
 
 from .config import ReproConfig
-from .scoring import Clock, Scorer
+from .scoring import Clock, Memo, Scorer
 from .store import ResultStore, lr_tag
 from .workload import Workload, default_workload
 
@@ -109,7 +109,7 @@ class Runner:
         self.w: Workload | None = None
         self._data = None
         self._scorer: Scorer | None = None
-        self._caches: dict = {}  # (kind, layer) -> training caches and retained statistics, reused by every run
+        self._caches = Memo()  # (kind, layer) -> training caches and retained statistics, reused by every run
         self._gate_checked = False  # update_positions answer: the header checked against the data once
         self._unit_started = 0.0
         self._unit_clock = Clock()
@@ -177,11 +177,6 @@ class Runner:
             self._scorer = Scorer(self.w, heldout_config, self.config.eval.kl_batch_size)
         return self._scorer
 
-    def _cached(self, key, build):
-        if key not in self._caches:
-            self._caches[key] = build()
-        return self._caches[key]
-
     def base(self) -> None:
         """The frozen model: a plain residual with B = 0 adds exactly nothing (Delta = B A h = 0)."""
         _log("base model: MBPP+, held-out NLL, GSM8K answers")
@@ -209,7 +204,7 @@ class Runner:
 
     def _new_adapter(self, rc):
         stats = (
-            self._cached(("stats", rc.layer), self._retained_stats)
+            self._caches.of(("stats", rc.layer), self._retained_stats)
             if rc.adapter == "weight-lora" and rc.lora.needs_stats
             else None
         )
@@ -263,7 +258,7 @@ class Runner:
 
     def _train(self, rc, adapter, run_dir: Path, on_checkpoint):
         data = self._train_data(rc.train)
-        caches = self._cached(
+        caches = self._caches.of(
             ("train", adapter.cache_layer),
             lambda: build_caches(self.w.model, data, adapter.cache_layer, rc.train.cache_batch_size),
         )

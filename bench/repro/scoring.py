@@ -27,22 +27,17 @@ class Scorer:
         """`heldout_config`: the training config the held-out set is tokenised with (the reference
         method's); `batch_size`: contexts per KL / NLL batch."""
         self.w, self.heldout_config, self.batch_size = workload, heldout_config, batch_size
-        self._caches: dict = {}  # "heldout" and (kind, layer) -> data, prefix caches, KL references
-
-    def _cached(self, key, build):
-        if key not in self._caches:
-            self._caches[key] = build()
-        return self._caches[key]
+        self._caches = Memo()  # "heldout" and (kind, layer) -> data, prefix caches, KL references
 
     def _heldout(self, layer: int | None):
         """The held-out set and its prefix cache at `layer` (None: no cache)."""
-        data = self._cached(
+        data = self._caches.of(
             "heldout", lambda: prepare_data(self.w.tokenizer, self.w.heldout_pairs, self.heldout_config)
         )
         if layer is None:
             return data, None
         build = lambda: PrefixCache.build(self.w.model, data.train, layer, data.pad_id, self.batch_size)
-        return data, self._cached(("heldout", layer), build)
+        return data, self._caches.of(("heldout", layer), build)
 
     def _kl(self, adapter) -> tuple[RetainedKL, list]:
         """The KL contexts with their prefix cache at the adapter's cache layer, and the base model's reference."""
@@ -62,7 +57,7 @@ class Scorer:
             with frozen(adapter):
                 return kl, kl.reference()
 
-        return self._cached(("kl", layer), build)
+        return self._caches.of(("kl", layer), build)
 
     def heldout_nll(self, adapter) -> float:
         """Mean token NLL of the held-out reference solutions under the adapted model."""
@@ -94,6 +89,15 @@ class Scorer:
             clock.lap("gsm8k")
         record["seconds"], record["cpu_seconds"] = clock.wall, clock.cpu
         return record
+
+
+class Memo(dict):
+    """Values built on first use and kept: what every checkpoint of every run reuses."""
+
+    def of(self, key, build):
+        if key not in self:
+            self[key] = build()
+        return self[key]
 
 
 class Clock:
